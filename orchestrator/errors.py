@@ -1,0 +1,100 @@
+"""Errors raised by saga-orchestrator.
+
+Every error a user can hit derives from :class:`SagaError` and says what is wrong and what to do, with the
+ids involved kept as attributes::
+
+    SagaError
+    ├── DefinitionError          a definition failed to load or compile (carries every Problem)
+    ├── ContractError            a contract declaration or registry is invalid
+    │   └── ContractNotFound     a name@version is not in the registry
+    ├── ContractLoadError        a --contracts module could not be imported
+    └── BindingError             a ${...} binding could not be resolved at run time
+        ├── BindingMissing       the referenced value does not exist
+        ├── BindingNull          the value exists but is null where a value is required
+        ├── BindingWrongType     the value exists but has the wrong type
+        └── BindingEvaluationError  the expression failed for another reason (division by zero, ...)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class SagaError(Exception):
+    """Raised for any error saga-orchestrator reports to a user; catch this to catch them all."""
+
+
+@dataclass(frozen=True, order=True)
+class Problem:
+    """One thing wrong with a definition, located as precisely as the source allows."""
+
+    file: str
+    line: int
+    path: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}: {self.path}: {self.message}"
+
+
+class DefinitionError(SagaError):
+    """Raised when a definition cannot be loaded or compiled; ``problems`` lists every issue found."""
+
+    def __init__(self, problems: list[Problem]) -> None:
+        self.problems = sorted(problems)
+        count = len(self.problems)
+        lines = "\n".join(str(p) for p in self.problems)
+        super().__init__(f"{count} problem{'s' if count != 1 else ''} in definition:\n{lines}")
+
+
+class ContractError(SagaError):
+    """Raised when a contract declaration is invalid or two declarations of one name@version disagree."""
+
+
+class ContractNotFound(ContractError):
+    """Raised when a name@version is looked up that no loaded contract module declares."""
+
+    def __init__(self, ref: str, known: list[str]) -> None:
+        self.ref = ref
+        hint = ", ".join(known) if known else "none are loaded"
+        super().__init__(
+            f"contract {ref!r} is not registered (registered: {hint}); "
+            "declare it with @action/@worker in a module passed with --contracts"
+        )
+
+
+class ContractLoadError(SagaError):
+    """Raised when a contracts module named with --contracts (or SAGA_CONTRACTS) cannot be imported."""
+
+    def __init__(self, module: str, reason: str) -> None:
+        self.module = module
+        super().__init__(
+            f"cannot load contracts from module {module!r}: {reason}; "
+            "check the module path and that it is importable (pip install -e . in the project)"
+        )
+
+
+class BindingError(SagaError):
+    """Raised when a ``${...}`` binding cannot produce the value its target needs at run time."""
+
+    def __init__(self, target: str, expression: str, detail: str) -> None:
+        self.target = target
+        self.expression = expression
+        self.detail = detail
+        super().__init__(f"{target}: ${{{expression}}}: {detail}")
+
+
+class BindingMissing(BindingError):
+    """Raised when the value a binding references does not exist (no such key, index or stage result)."""
+
+
+class BindingNull(BindingError):
+    """Raised when the referenced value exists but is null and the target does not accept null."""
+
+
+class BindingWrongType(BindingError):
+    """Raised when the referenced value exists but its type does not fit the target's schema."""
+
+
+class BindingEvaluationError(BindingError):
+    """Raised when an expression fails for a reason other than missing, null or wrong type."""

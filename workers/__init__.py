@@ -1,0 +1,1 @@
+"""Worker SDK (``workers.sdk``) and the demo workers (``workers.demo``)."""

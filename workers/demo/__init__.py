@@ -1,0 +1,75 @@
+"""Demo handlers: every action and worker the example definitions in ``definitions/`` use.
+
+They are the CLI's default contract registry (``saga --contracts workers.demo``). The bodies are small and
+deterministic; the runtime issue gives them fault knobs and an effect store for tests.
+"""
+
+from __future__ import annotations
+
+from orchestrator.contracts import SERIAL_QUEUE, CompensationInput, RunTerminalInput
+from workers.demo.models import (
+    AuditOutput,
+    CacheLookupOutput,
+    CompensationOutput,
+    IndexStepInput,
+    IndexStepOutput,
+    MetadataOutput,
+    ModelRef,
+    PublishOutput,
+    RenderOutput,
+    SemanticOutput,
+)
+from workers.sdk import action, worker
+
+
+@action("cache.lookup", version=1, input=ModelRef, output=CacheLookupOutput)
+def cache_lookup(payload: ModelRef) -> CacheLookupOutput:
+    """Look the model up in the derived-data cache; the demo cache is always empty."""
+    return CacheLookupOutput(modelId=payload.modelId, hit=False)
+
+
+@worker("thumbnail.render", version=3, input=ModelRef, output=RenderOutput, queue="rendering")
+def render_thumbnail(payload: ModelRef) -> RenderOutput:
+    return RenderOutput(thumbnailUri=f"thumbs/{payload.modelId}.png")
+
+
+@worker("semantic.analyse", version=4, input=ModelRef, output=SemanticOutput, queue="analysis")
+def semantic_analyse(payload: ModelRef) -> SemanticOutput:
+    return SemanticOutput(tags=["mesh", payload.modelId.split("-")[0]])
+
+
+@worker("metadata.extract", version=2, input=ModelRef, output=MetadataOutput, queue="metadata")
+def metadata_extract(payload: ModelRef) -> MetadataOutput:
+    return MetadataOutput(faces=12, vertices=8)
+
+
+@action("catalogue.publish", version=2, input=ModelRef, output=PublishOutput)
+def catalogue_publish(payload: ModelRef) -> PublishOutput:
+    return PublishOutput(published=True, catalogueId=f"cat-{payload.modelId}")
+
+
+@action("catalogue.unpublish", version=1, input=CompensationInput, output=CompensationOutput)
+def catalogue_unpublish(payload: CompensationInput) -> CompensationOutput:
+    """Compensation for catalogue.publish: withdraw the entry again."""
+    return CompensationOutput(undone=True)
+
+
+@action("audit.run-terminal", version=1, input=RunTerminalInput, output=AuditOutput)
+def audit_run_terminal(payload: RunTerminalInput) -> AuditOutput:
+    """Finaliser: record that a run reached its terminal intent."""
+    return AuditOutput(recorded=True)
+
+
+@action("index.snapshot", version=1, input=IndexStepInput, output=IndexStepOutput, queue=SERIAL_QUEUE)
+def index_snapshot(payload: IndexStepInput) -> IndexStepOutput:
+    return IndexStepOutput(index=payload.index, step="snapshot")
+
+
+@action("index.rebuild", version=1, input=IndexStepInput, output=IndexStepOutput, queue=SERIAL_QUEUE)
+def index_rebuild(payload: IndexStepInput) -> IndexStepOutput:
+    return IndexStepOutput(index=payload.index, step="rebuild")
+
+
+@action("index.swap", version=1, input=IndexStepInput, output=IndexStepOutput, queue=SERIAL_QUEUE)
+def index_swap(payload: IndexStepInput) -> IndexStepOutput:
+    return IndexStepOutput(index=payload.index, step="swap")
