@@ -81,7 +81,8 @@ class BindingError(SagaError):
         self.target = target
         self.expression = expression
         self.detail = detail
-        super().__init__(f"{target}: ${{{expression}}}: {detail}")
+        shown = f"${{{expression}}}: " if expression else ""
+        super().__init__(f"{target}: {shown}{detail}")
 
 
 class BindingMissing(BindingError):

@@ -51,30 +51,47 @@ def action(
     name: str,
     *,
     version: int,
-    input: type[BaseModel],  # noqa: A002 - mirrors the DSL's field name
+    input: type[BaseModel],  # mirrors the DSL field name
     output: type[BaseModel],
     queue: str = ACTIONS_QUEUE,
     description: str | None = None,
 ) -> Callable[[F], F]:
     """Declare an action: a short side-effecting call (default queue ``tasks.actions``)."""
-    return _declare(ContractKind.ACTION, name, version, input, output, queue, description)
+    return _declare(
+        ContractKind.ACTION,
+        name=name,
+        version=version,
+        input_model=input,
+        output_model=output,
+        queue=queue,
+        description=description,
+    )
 
 
 def worker(
     name: str,
     *,
     version: int,
-    input: type[BaseModel],  # noqa: A002 - mirrors the DSL's field name
+    input: type[BaseModel],  # mirrors the DSL field name
     output: type[BaseModel],
     queue: str = PARALLEL_QUEUE,
     description: str | None = None,
 ) -> Callable[[F], F]:
     """Declare a worker: a unit of work for a pool (default queue ``tasks.parallel``)."""
-    return _declare(ContractKind.WORKER, name, version, input, output, queue, description)
+    return _declare(
+        ContractKind.WORKER,
+        name=name,
+        version=version,
+        input_model=input,
+        output_model=output,
+        queue=queue,
+        description=description,
+    )
 
 
 def _declare(
     kind: ContractKind,
+    *,
     name: str,
     version: int,
     input_model: type[BaseModel],

@@ -67,7 +67,11 @@ class Scope:
 
 class ContractLayer:
     def __init__(
-        self, defn: Definition, registry: Registry, facts: GraphFacts, limits: AdmissionLimits,
+        self,
+        defn: Definition,
+        registry: Registry,
+        facts: GraphFacts,
+        limits: AdmissionLimits,
         report: Reporter,
     ) -> None:
         self.defn = defn
@@ -86,10 +90,16 @@ class ContractLayer:
                 self._work_stage(stage, base)
             elif isinstance(stage, DecisionStage):
                 for j, branch in enumerate(stage.branches):
-                    self._expression(branch.when, (*base, "branches", j, "when"),
-                                     Scope(STAGE_VARIABLES, stage.name), want={"boolean"})
+                    self._expression(
+                        branch.when,
+                        (*base, "branches", j, "when"),
+                        Scope(STAGE_VARIABLES, stage.name),
+                        want={"boolean"},
+                    )
         if self.defn.output is not None:
-            self._bindings(self.defn.output, ("output",), Scope(STAGE_VARIABLES, Terminal.COMPLETED.value), None)
+            self._bindings(
+                self.defn.output, ("output",), Scope(STAGE_VARIABLES, Terminal.COMPLETED.value), None
+            )
         for i, ref in enumerate(self.defn.finalisers):
             self._side_contract(ref, ("finalisers", i), "finaliser", RunTerminalInput.model_fields)
         return dict(sorted(self.used.items()))
@@ -99,15 +109,20 @@ class ContractLayer:
     def _contract(self, ref: str, path: Path, kind: ContractKind) -> Contract | None:
         contract = self.registry.get(ref)
         if contract is None:
-            known = [r for r in self.registry.refs() if r.split("@")[0] == ref.split("@")[0]]
+            known = [r for r in self.registry.refs() if r.split("@")[0] == ref.split("@", maxsplit=1)[0]]
             hint = f" (registered versions: {', '.join(known)})" if known else ""
-            self.report.add(path, f"contract {ref!r} is not registered{hint}; declare it with @{kind.value} "
-                                  "in a module passed with --contracts")
+            self.report.add(
+                path,
+                f"contract {ref!r} is not registered{hint}; declare it with @{kind.value} "
+                "in a module passed with --contracts",
+            )
             return None
         if contract.kind is not kind:
-            self.report.add(path, f"{ref} is a{'n' if contract.kind is ContractKind.ACTION else ''} "
-                                  f"{contract.kind.value} contract; this field needs a{'n' if kind is ContractKind.ACTION else ''} "
-                                  f"{kind.value}")
+            self.report.add(
+                path,
+                f"{ref} is {_article(contract.kind)} contract; "
+                f"this field needs {_article(kind)} (type: {contract.kind.value} calls it)",
+            )
             return None
         self.used[ref] = contract
         return contract
@@ -119,17 +134,19 @@ class ContractLayer:
         required = contract.input_schema.get("required", [])
         for name in required:
             if name not in given:
-                self.report.add(path, f"{role} {ref} requires input {name!r}, which a {role} is not given "
-                                      f"(it receives {', '.join(given)})")
+                self.report.add(
+                    path,
+                    f"{role} {ref} requires input {name!r}, which a {role} is not given "
+                    f"(it receives {', '.join(given)})",
+                )
 
     def _work_stage(self, stage: WorkStage, base: Path) -> None:
-        if isinstance(stage, ActionStage):
-            contract = self._contract(stage.action, (*base, "action"), ContractKind.ACTION)
-        else:
-            contract = self._contract(stage.worker, (*base, "worker"), ContractKind.WORKER)
+        kind = ContractKind.ACTION if isinstance(stage, ActionStage) else ContractKind.WORKER
+        contract = self._contract(stage.contract_ref, (*base, kind.value), kind)
         if stage.compensate:
-            self._side_contract(stage.compensate, (*base, "compensate"), "compensation",
-                                CompensationInput.model_fields)
+            self._side_contract(
+                stage.compensate, (*base, "compensate"), "compensation", CompensationInput.model_fields
+            )
         scope = Scope(STAGE_VARIABLES, stage.name)
         if isinstance(stage, MapStage):
             scope = Scope(MAP_VARIABLES, stage.name, self._map_items(stage, base))
@@ -138,11 +155,15 @@ class ContractLayer:
 
     def _map_items(self, stage: MapStage, base: Path) -> Typed:
         parsed = self._parse(stage.items, (*base, "items"))
-        if not isinstance(parsed, Binding) or not parsed.whole:
-            self.report.add((*base, "items"), 'items must be one binding that yields a list, e.g. "${context.ids}"')
+        whole = parsed.whole if isinstance(parsed, Binding) else None
+        if whole is None:
+            self.report.add(
+                (*base, "items"), 'items must be one binding that yields a list, e.g. "${context.ids}"'
+            )
             return OPEN
-        typed = self._expression(parsed.parts[0].source, (*base, "items"),  # type: ignore[union-attr]
-                                 Scope(STAGE_VARIABLES, stage.name), want={"array"})
+        typed = self._expression(
+            whole.source, (*base, "items"), Scope(STAGE_VARIABLES, stage.name), want={"array"}
+        )
         element = typed.field(0) if typed else None
         return element or OPEN
 
@@ -155,8 +176,11 @@ class ContractLayer:
         for key, value in stage.input.items():
             field_target = target.field(key)
             if field_target is None or (properties and key not in properties):
-                self.report.add((*base, "input", key), f"input {key!r} is not a field of {contract.ref} "
-                                                       f"(fields: {', '.join(properties) or 'none'})")
+                self.report.add(
+                    (*base, "input", key),
+                    f"input {key!r} is not a field of {contract.ref} "
+                    f"(fields: {', '.join(properties) or 'none'})",
+                )
                 continue
             if not any(True for _ in _bindings_in(value)):
                 self._literal(value, field_target, (*base, "input", key), contract)
@@ -185,16 +209,19 @@ class ContractLayer:
             parsed = self._parse(text, sub)
             if not isinstance(parsed, Binding):
                 continue
-            here = _navigate(target, sub[len(path):])
+            here = _navigate(target, sub[len(path) :])
             if parsed.whole:
-                self._expression(parsed.parts[0].source, sub, scope,  # type: ignore[union-attr]
-                                 want=here.types() if here else None)
+                want = here.types() if here else None
+                self._expression(parsed.whole.source, sub, scope, want=want)
                 continue
             for expr in parsed.expressions():
                 self._expression(expr.source, sub, scope, want=None)
             if here is not None and not schemas.fits({"string"}, here.types()):
-                self.report.add(sub, f"a template with text around ${{...}} makes a string, but the target "
-                                     f"expects {schemas.describe(here.types())}")
+                self.report.add(
+                    sub,
+                    f"a template with text around ${{...}} makes a string, but the target "
+                    f"expects {schemas.describe(here.types())}",
+                )
 
     def _expression(self, src: str, path: Path, scope: Scope, want: set[str] | None) -> Typed | None:
         checked, problems = check_expression(src, scope.variables, self.limits.expressions)
@@ -207,8 +234,11 @@ class ContractLayer:
             return None
         result = typed[0]
         if not schemas.fits(result.types(), want):
-            self.report.add(path, f"${{{src}}} is {schemas.describe(result.types())}, but "
-                                  f"{schemas.describe(want)} is expected here")
+            self.report.add(
+                path,
+                f"${{{src}}} is {schemas.describe(result.types())}, but "
+                f"{schemas.describe(want)} is expected here",
+            )
         return result
 
     def _reference(self, ref: Reference, path: Path, scope: Scope) -> Typed | None:
@@ -222,28 +252,36 @@ class ContractLayer:
             return Typed({}, {"type": "integer"})
         return self._stage_reference(ref, path, scope)
 
-    def _stage_reference(self, ref: Reference, path: Path, scope: Scope) -> Typed | None:
+    def _referenced_stage(self, ref: Reference, path: Path) -> WorkStage | None:
         if not ref.path or not isinstance(ref.path[0], str):
             self.report.add(path, 'read a stage as stages["name"].result (or .state, .attempt)')
             return None
-        name = ref.path[0]
-        stage = self.stages.get(name)
+        stage = self.stages.get(ref.path[0])
         if stage is None:
             self.report.add(path, f"{ref.render()} names no stage; stages: {', '.join(self.stages)}")
             return None
         if not isinstance(stage, WorkStage):
-            self.report.add(path, f"stage {name!r} is a {stage.type} and produces no result")
+            self.report.add(path, f"stage {stage.name!r} is a {stage.type} and produces no result")
             return None
+        return stage
+
+    def _stage_reference(self, ref: Reference, path: Path, scope: Scope) -> Typed | None:
+        stage = self._referenced_stage(ref, path)
+        if stage is None:
+            return None
+        name = stage.name
         if len(ref.path) == 1:
             return OPEN
         attribute = ref.path[1]
         if attribute not in STAGE_FIELDS:
-            self.report.add(path, f"{ref.render()}: a stage exposes {', '.join(STAGE_FIELDS)}, not {attribute!r}")
+            self.report.add(
+                path, f"{ref.render()}: a stage exposes {', '.join(STAGE_FIELDS)}, not {attribute!r}"
+            )
             return None
         if attribute != "result":
             return Typed({}, {"type": "integer" if attribute == "attempt" else "string"})
         self._require_available(name, ref, path, scope)
-        contract = self.used.get(getattr(stage, "action", None) or getattr(stage, "worker", ""))
+        contract = self.used.get(stage.contract_ref)
         if contract is None:
             return OPEN
         result = Typed(contract.output_schema, contract.output_schema)
@@ -262,10 +300,15 @@ class ContractLayer:
             return
         if name not in self.facts.available.get(scope.at, frozenset()):
             where = "the run completes" if scope.at == Terminal.COMPLETED.value else f"{scope.at!r} runs"
-            self.report.add(path, f"reads the result of stage {name!r}, which has not succeeded on every path "
-                                  f"by the time {where}; guard it with has(...) or read it after it")
+            self.report.add(
+                path,
+                f"reads the result of stage {name!r}, which has not succeeded on every path "
+                f"by the time {where}; guard it with has(...) or read it after it",
+            )
 
-    def _walk(self, start: Typed, keys: tuple[str | int, ...], ref: Reference, path: Path, what: str) -> Typed | None:
+    def _walk(
+        self, start: Typed, keys: tuple[str | int, ...], ref: Reference, path: Path, what: str
+    ) -> Typed | None:
         current = start
         for i, key in enumerate(keys):
             found = current.field(key)
@@ -288,7 +331,7 @@ class ContractLayer:
             self.report.add(("context",), f"context is not a valid JSON Schema: {exc.message}")
             return OPEN
         if schema.get("type") != "object":
-            self.report.add(("context",), 'the context schema must describe an object (type: object)')
+            self.report.add(("context",), "the context schema must describe an object (type: object)")
         return Typed(schema, schema)
 
 
@@ -302,3 +345,7 @@ def _navigate(target: Typed | None, keys: tuple[str | int, ...]) -> Typed | None
             return None
         target = target.field(key)
     return target
+
+
+def _article(kind: ContractKind) -> str:
+    return f"an {kind.value}" if kind is ContractKind.ACTION else f"a {kind.value}"

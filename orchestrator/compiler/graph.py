@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import difflib
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from orchestrator.compiler.report import Reporter
@@ -68,8 +69,11 @@ def stage_edges(defn: Definition, index: dict[str, int]) -> list[Edge]:
         if isinstance(stage, DecisionStage):
             for i, branch in enumerate(stage.branches):
                 edges.append(Edge(stage.name, branch.next, "decision", (*base, "branches", i, "next")))
-            edges.append(Edge(stage.name, stage.on_evaluation_error, "evaluation_error",
-                              (*base, "on_evaluation_error")))
+            edges.append(
+                Edge(
+                    stage.name, stage.on_evaluation_error, "evaluation_error", (*base, "on_evaluation_error")
+                )
+            )
         elif isinstance(stage, ForkStage):
             for i, name in enumerate(stage.branches):
                 edges.append(Edge(stage.name, name, "fork", (*base, "branches", i)))
@@ -102,8 +106,11 @@ def _index_names(defn: Definition, facts: GraphFacts, report: Reporter) -> None:
     for i, stage in enumerate(defn.stages):
         if stage.name in facts.index:
             first = facts.index[stage.name]
-            report.add(("stages", i, "name"), f"duplicate stage name {stage.name!r} (first declared as "
-                                              f"stages[{first}]); stage names must be unique")
+            report.add(
+                ("stages", i, "name"),
+                f"duplicate stage name {stage.name!r} (first declared as "
+                f"stages[{first}]); stage names must be unique",
+            )
             continue
         if stage.name in {t.value for t in Terminal}:
             report.add(("stages", i, "name"), f"{stage.name!r} is a terminal intent and cannot name a stage")
@@ -118,15 +125,23 @@ def _check_targets(defn: Definition, facts: GraphFacts, terminals: set[str], rep
             continue
         if edge.kind == "fork":
             kind = "terminal" if edge.target in {t.value for t in Terminal} else "unknown stage"
-            report.add(edge.path, f"fork branch {edge.target!r} must be a stage ({kind})"
-                                  f"{_suggest(edge.target, facts.index)}")
+            report.add(
+                edge.path,
+                f"fork branch {edge.target!r} must be a stage ({kind}){_suggest(edge.target, facts.index)}",
+            )
         elif edge.target in {t.value for t in Terminal}:
             if edge.target not in terminals:
-                report.add(edge.path, f"routes to terminal {edge.target!r}, which is not declared in "
-                                      f"terminals ({', '.join(sorted(terminals))})")
+                report.add(
+                    edge.path,
+                    f"routes to terminal {edge.target!r}, which is not declared in "
+                    f"terminals ({', '.join(sorted(terminals))})",
+                )
         else:
-            report.add(edge.path, f"{_edge_label(edge)} {edge.target!r} is neither a stage nor a declared "
-                                  f"terminal{_suggest(edge.target, [*facts.index, *terminals])}")
+            report.add(
+                edge.path,
+                f"{_edge_label(edge)} {edge.target!r} is neither a stage nor a declared "
+                f"terminal{_suggest(edge.target, [*facts.index, *terminals])}",
+            )
 
 
 def _edge_label(edge: Edge) -> str:
@@ -154,9 +169,11 @@ def _check_decisions(defn: Definition, facts: GraphFacts, report: Reporter) -> N
         if not fallbacks:
             report.add(base, f'decision has no fallback; add a last branch with when: "{FALLBACK}"')
         elif fallbacks[0] != last:
-            report.add((*base, fallbacks[0], "when"),
-                       f'the fallback (when: "{FALLBACK}") must be the last branch; '
-                       f"the {last - fallbacks[0]} branch(es) after it can never be taken")
+            report.add(
+                (*base, fallbacks[0], "when"),
+                f'the fallback (when: "{FALLBACK}") must be the last branch; '
+                f"the {last - fallbacks[0]} branch(es) after it can never be taken",
+            )
 
 
 def _check_reachable(defn: Definition, facts: GraphFacts, edges: list[Edge], report: Reporter) -> None:
@@ -172,8 +189,9 @@ def _check_reachable(defn: Definition, facts: GraphFacts, edges: list[Edge], rep
                 queue.append(nxt)
     for name, i in facts.index.items():
         if name not in seen:
-            report.add(("stages", i, "name"),
-                       f"is unreachable from entry {defn.entry!r}; route to it or remove it")
+            report.add(
+                ("stages", i, "name"), f"is unreachable from entry {defn.entry!r}; route to it or remove it"
+            )
 
 
 def _adjacency(edges: list[Edge]) -> dict[str, list[str]]:
@@ -201,9 +219,11 @@ def _check_acyclic(facts: GraphFacts, edges: list[Edge], report: Reporter) -> bo
                 stack.append((node, i + 1))
                 nxt = succ[i]
                 if colour.get(nxt) == 1:
-                    cycle = [*trail[trail.index(nxt):], nxt]
-                    report.add(("stages", facts.index[nxt], "name"),
-                               f"cycle: {' -> '.join(cycle)}; workflows are acyclic (use retry for repetition)")
+                    cycle = [*trail[trail.index(nxt) :], nxt]
+                    report.add(
+                        ("stages", facts.index[nxt], "name"),
+                        f"cycle: {' -> '.join(cycle)}; workflows are acyclic (use retry for repetition)",
+                    )
                     return False
                 if not colour.get(nxt):
                     stack.append((nxt, 0))
@@ -221,8 +241,11 @@ def _check_forks_and_joins(defn: Definition, facts: GraphFacts, edges: list[Edge
         for i, branch in enumerate(fork.branches):
             path: Path = ("stages", facts.index[fork.name], "branches", i)
             if branch in branch_of:
-                report.add(path, f"stage {branch!r} is already a branch of fork {branch_of[branch]!r}; "
-                                 "a stage can start only one branch")
+                report.add(
+                    path,
+                    f"stage {branch!r} is already a branch of fork {branch_of[branch]!r}; "
+                    "a stage can start only one branch",
+                )
             elif branch in joins:
                 report.add(path, f"branch {branch!r} is a join; a branch must start with a working stage")
             else:
@@ -233,12 +256,18 @@ def _check_forks_and_joins(defn: Definition, facts: GraphFacts, edges: list[Edge
         mine = [j for j, f in joined_by.items() if f == fork.name]
         path = ("stages", facts.index[fork.name], "branches")
         if not mine:
-            report.add(path, f"fork {fork.name!r} has no join; add a join stage whose required lists "
-                             f"{', '.join(fork.branches)}")
+            report.add(
+                path,
+                f"fork {fork.name!r} has no join; add a join stage whose required lists "
+                f"{', '.join(fork.branches)}",
+            )
             continue
         if len(mine) > 1:
-            report.add(path, f"fork {fork.name!r} is joined by several joins ({', '.join(sorted(mine))}); "
-                             "one join must wait for all its branches")
+            report.add(
+                path,
+                f"fork {fork.name!r} is joined by several joins ({', '.join(sorted(mine))}); "
+                "one join must wait for all its branches",
+            )
             continue
         _check_branch_regions(fork, joins[mine[0]], adjacency, facts, report)
 
@@ -253,15 +282,21 @@ def _match_joins(
         owners = set()
         for i, name in enumerate(join.required):
             if name not in branch_of:
-                report.add((*base, i), f"required {name!r} is not a fork branch; list the branches of the "
-                                       f"fork this join waits for{_suggest(name, branch_of)}")
+                report.add(
+                    (*base, i),
+                    f"required {name!r} is not a fork branch; list the branches of the "
+                    f"fork this join waits for{_suggest(name, branch_of)}",
+                )
             else:
                 owners.add(branch_of[name])
         if len(set(join.required)) != len(join.required):
             report.add(base, "required lists a branch more than once")
         if len(owners) > 1:
-            report.add(base, f"required mixes branches of forks {', '.join(sorted(owners))}; "
-                             "a join waits for the branches of one fork")
+            report.add(
+                base,
+                f"required mixes branches of forks {', '.join(sorted(owners))}; "
+                "a join waits for the branches of one fork",
+            )
         elif owners:
             joined_by[join.name] = owners.pop()
     return joined_by
@@ -280,9 +315,11 @@ def _check_branch_regions(
         region = _region(branch, join.name, adjacency)
         for stage in region - {join.name}:
             if stage in owner and owner[stage] != branch:
-                report.add(("stages", facts.index[stage], "name"),
-                           f"is reachable from both branch {owner[stage]!r} and branch {branch!r} of fork "
-                           f"{fork.name!r}; branches must not share stages before their join")
+                report.add(
+                    ("stages", facts.index[stage], "name"),
+                    f"is reachable from both branch {owner[stage]!r} and branch {branch!r} of fork "
+                    f"{fork.name!r}; branches must not share stages before their join",
+                )
             owner.setdefault(stage, branch)
         if join.name in region:
             reaching.add(branch)
@@ -290,12 +327,17 @@ def _check_branch_regions(
                 if join.name in adjacency.get(stage, []):
                     facts.arrivals[stage] = Arrival(join.name, branch)
         else:
-            report.add(("stages", facts.index[fork.name], "branches", fork.branches.index(branch)),
-                       f"branch {branch!r} of fork {fork.name!r} never routes to its join {join.name!r}")
+            report.add(
+                ("stages", facts.index[fork.name], "branches", fork.branches.index(branch)),
+                f"branch {branch!r} of fork {fork.name!r} never routes to its join {join.name!r}",
+            )
     required = set(join.required)
     for branch in sorted(reaching - required):
-        report.add(join_path, f"branch {branch!r} of fork {fork.name!r} reaches join {join.name!r} but is "
-                              "missing from required")
+        report.add(
+            join_path,
+            f"branch {branch!r} of fork {fork.name!r} reaches join {join.name!r} but is "
+            "missing from required",
+        )
     facts.joins[join.name] = JoinInfo(fork.name, tuple(fork.branches))
 
 
@@ -335,7 +377,9 @@ def _available_results(defn: Definition, facts: GraphFacts) -> dict[str, frozens
     return available
 
 
-def _edge_out(edge: Edge, available: dict[str, frozenset[str]], by_name: dict[str, object]) -> frozenset[str]:
+def _edge_out(
+    edge: Edge, available: dict[str, frozenset[str]], by_name: Mapping[str, object]
+) -> frozenset[str]:
     produced = edge.kind == "success" and isinstance(by_name.get(edge.source), WorkStage | MapStage)
     before = available[edge.source]
     return before | {edge.source} if produced else before
@@ -346,12 +390,15 @@ def _join_available(
     edges: list[Edge],
     facts: GraphFacts,
     available: dict[str, frozenset[str]],
-    by_name: dict[str, object],
+    by_name: Mapping[str, object],
 ) -> frozenset[str]:
     union: set[str] = set()
     for branch in facts.joins[node].branches:
-        outs = [_edge_out(e, available, by_name) for e in edges
-                if facts.arrivals.get(e.source, Arrival("", "")).branch == branch and e.source in available]
+        outs = [
+            _edge_out(e, available, by_name)
+            for e in edges
+            if facts.arrivals.get(e.source, Arrival("", "")).branch == branch and e.source in available
+        ]
         if outs:
             union |= frozenset.intersection(*outs)
     return frozenset(union)

@@ -45,8 +45,9 @@ class CompiledPlan:
 
 
 def canonical_json(value: Any) -> bytes:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
-                      allow_nan=False).encode("utf-8")
+    return json.dumps(
+        value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+    ).encode("utf-8")
 
 
 def digest_of(plan: dict[str, Any]) -> str:
@@ -60,7 +61,9 @@ def build_plan(defn: Definition, facts: GraphFacts, contracts: dict[str, Contrac
         **data,
         "plan_format": PLAN_FORMAT,
         "stages": stages,
-        "contracts": {ref: c.model_dump(mode="json", exclude={"description"}) for ref, c in contracts.items()},
+        "contracts": {
+            ref: c.model_dump(mode="json", exclude={"description"}) for ref, c in contracts.items()
+        },
     }
     versions = {"dsl": DSL_VERSION, "compiler": COMPILER_VERSION, "engine": ENGINE_VERSION}
     return CompiledPlan(plan=plan, digest=digest_of(plan), versions=versions)
@@ -70,8 +73,7 @@ def _stage(stage: Any, facts: GraphFacts, contracts: dict[str, Contract]) -> dic
     # descriptions are documentation, not meaning: they stay out of the digest
     out: dict[str, Any] = stage.model_dump(mode="json", exclude={"name", "description"})
     if isinstance(stage, WorkStage):
-        ref = getattr(stage, "action", None) or getattr(stage, "worker", "")
-        out["queue"] = stage.queue or contracts[ref].queue
+        out["queue"] = stage.queue or contracts[stage.contract_ref].queue
     if isinstance(stage, JoinStage):
         info = facts.joins[stage.name]
         out["fork"] = info.fork

@@ -23,8 +23,11 @@ from orchestrator.dsl.paths import Path
 
 def validate_shape(data: Any, report: Reporter) -> Definition | None:
     if not isinstance(data, dict):
-        report.add((), f"a definition is a mapping of fields (name, version, entry, stages, ...), "
-                       f"not a {type(data).__name__}")
+        report.add(
+            (),
+            f"a definition is a mapping of fields (name, version, entry, stages, ...), "
+            f"not a {type(data).__name__}",
+        )
         return None
     try:
         return Definition.model_validate(data)
@@ -56,7 +59,8 @@ def _model_at(path: Path, data: Any) -> type[BaseModel] | None:
         return None
     stages = data.get("stages")
     stage = stages[path[1]] if isinstance(stages, list) and path[1] < len(stages) else None
-    model = STAGE_MODELS.get(stage.get("type")) if isinstance(stage, dict) else None
+    kind = stage.get("type") if isinstance(stage, dict) else None
+    model = STAGE_MODELS.get(kind) if isinstance(kind, str) else None
     rest = path[2:]
     if rest == ():
         return model

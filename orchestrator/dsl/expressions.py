@@ -266,8 +266,10 @@ class Binding:
     parts: tuple[str | Expr, ...]
 
     @property
-    def whole(self) -> bool:
-        return len(self.parts) == 1 and isinstance(self.parts[0], Expr)
+    def whole(self) -> Expr | None:
+        """The expression when the string is exactly one ``${...}``, else ``None``."""
+        only = self.parts[0] if len(self.parts) == 1 else None
+        return only if isinstance(only, Expr) else None
 
     def expressions(self) -> list[Expr]:
         return [p for p in self.parts if isinstance(p, Expr)]
@@ -342,3 +344,16 @@ def walk_strings(value: object, path: Path) -> Iterator[tuple[Path, str]]:
     elif isinstance(value, list):
         for index, item in enumerate(value):
             yield from walk_strings(item, (*path, index))
+
+
+@lru_cache(maxsize=4096)
+def plain_path(src: str) -> Reference | None:
+    """The reference when the whole expression is a single selection chain (``context.a["b"][0]``)."""
+    try:
+        tokens = tokenize(src)
+    except ExpressionSyntaxError:
+        return None
+    if not tokens or tokens[0].kind != "ident":
+        return None
+    refs = references(tokens, frozenset({tokens[0].text}))
+    return refs[0] if len(refs) == 1 and _is_single_chain(tokens, refs[0]) else None

@@ -84,12 +84,20 @@ class ActionStage(_WorkStage):
     type: Literal["action"]
     action: ContractRef
 
+    @property
+    def contract_ref(self) -> str:
+        return self.action
+
 
 class WorkerStage(_WorkStage):
     """A unit of work for a worker pool, on the contract's queue or the one named here."""
 
     type: Literal["worker"]
     worker: ContractRef
+
+    @property
+    def contract_ref(self) -> str:
+        return self.worker
 
 
 class MapStage(_WorkStage):
@@ -103,6 +111,10 @@ class MapStage(_WorkStage):
     worker: ContractRef
     items: str = Field(min_length=1)
     max_items: int = Field(ge=1)
+
+    @property
+    def contract_ref(self) -> str:
+        return self.worker
 
 
 class DecisionBranch(_Model):
@@ -154,7 +166,8 @@ WorkStage = ActionStage | WorkerStage | MapStage
 
 
 class TerminalPolicy(_Model):
-    """The seed's terminal policy. Each field has one supported value today; naming it keeps plans explicit."""
+    """The seed's terminal policy. Each field has one supported value today; naming them keeps plans
+    explicit and leaves room for more."""
 
     fork_branch_failure: Literal["request-cancellation-and-fence"] = "request-cancellation-and-fence"
     late_callbacks: Literal["reject-and-record"] = "reject-and-record"

@@ -18,6 +18,7 @@ import yaml
 from orchestrator.dsl.paths import Path, render_path
 from orchestrator.errors import DefinitionError, Problem
 
+
 @dataclass(frozen=True)
 class YamlLimits:
     """Bounds applied while loading a definition file; the defaults fit any sane definition."""

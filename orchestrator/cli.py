@@ -1,0 +1,182 @@
+"""The ``saga`` command line.
+
+Exit codes: 0 success, 1 the input is invalid (a definition has problems), 2 usage or configuration error
+(unknown option, missing file, a contracts module that cannot be loaded).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import click
+
+from orchestrator.compiler import CompiledPlan, compile_text
+from orchestrator.compiler.mermaid import render_mermaid
+from orchestrator.contracts import Registry
+from orchestrator.errors import ContractError, ContractLoadError, DefinitionError, Problem
+from orchestrator.settings import Settings
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class Env:
+    """What every command needs, built once from settings and options."""
+
+    def __init__(self, settings: Settings, modules: tuple[str, ...], registry_file: str | None) -> None:
+        self.settings = settings
+        self._modules = modules or settings.contracts
+        self._registry_file = registry_file
+        self._registry: Registry | None = None
+
+    @property
+    def registry(self) -> Registry:
+        if self._registry is None:
+            try:
+                if self._registry_file:
+                    self._registry = Registry.from_json(Path(self._registry_file).read_text())
+                else:
+                    self._registry = Registry.from_modules(self._modules)
+            except (ContractLoadError, ContractError, OSError, ValueError, KeyError) as exc:
+                raise click.UsageError(str(exc)) from exc
+        return self._registry
+
+    def compile(self, path: str) -> CompiledPlan:
+        try:
+            data = Path(path).read_bytes()
+        except OSError as exc:
+            raise DefinitionError(
+                [Problem(path, 1, "definition", f"cannot read file: {exc.strerror}")]
+            ) from exc
+        return compile_text(data, path, self.registry, self.settings.admission_limits())
+
+
+def registry_options(fn: F) -> F:
+    fn = click.option(
+        "--contracts",
+        "modules",
+        multiple=True,
+        metavar="MODULE",
+        help="Python module whose @action/@worker handlers are the contract registry (repeatable; "
+        "default: $SAGA_CONTRACTS or workers.demo).",
+    )(fn)
+    fn = click.option(
+        "--registry",
+        "registry_file",
+        type=click.Path(exists=True, dir_okay=False),
+        metavar="FILE",
+        help="A registry serialised by 'saga contracts export' instead of modules.",
+    )(fn)
+    return fn
+
+
+def _env(modules: tuple[str, ...], registry_file: str | None) -> Env:
+    return Env(Settings(), modules, registry_file)
+
+
+def _emit_json(value: Any) -> None:
+    click.echo(json.dumps(value, indent=2, sort_keys=True, ensure_ascii=False))
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(package_name="saga-orchestrator", prog_name="saga")
+def main() -> None:
+    """saga-orchestrator: compile, validate and (soon) run versioned workflow definitions."""
+
+
+@main.command()
+@click.argument("files", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON report instead of text.")
+@registry_options
+def validate(
+    files: tuple[str, ...], as_json: bool, modules: tuple[str, ...], registry_file: str | None
+) -> None:
+    """Check definitions; print one line per problem (FILE:LINE: path: message). Exit 1 if any."""
+    env = _env(modules, registry_file)
+    results: list[dict[str, Any]] = []
+    for path in files:
+        try:
+            plan = env.compile(path)
+            results.append({"file": path, "valid": True, "digest": plan.digest, "problems": []})
+        except DefinitionError as exc:
+            results.append({"file": path, "valid": False, "problems": [vars(p) for p in exc.problems]})
+    invalid = [r for r in results if not r["valid"]]
+    if as_json:
+        _emit_json({"valid": not invalid, "files": results})
+    else:
+        for result in results:
+            for problem in result["problems"]:
+                click.echo(str(Problem(**problem)))
+        count = sum(len(r["problems"]) for r in invalid)
+        summary = f"{len(files) - len(invalid)} of {len(files)} definitions valid" + (
+            f"; {count} problem{'s' if count != 1 else ''}" if invalid else ""
+        )
+        click.echo(summary, err=True)
+    sys.exit(1 if invalid else 0)
+
+
+@main.command(name="compile")
+@click.argument("file", type=click.Path(exists=True, dir_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON with its digest and versions.")
+@registry_options
+def compile_command(file: str, as_json: bool, modules: tuple[str, ...], registry_file: str | None) -> None:
+    """Compile a definition into its canonical plan and print the plan's digest."""
+    plan = _compile_or_exit(_env(modules, registry_file), file)
+    if as_json:
+        _emit_json(plan.to_json_dict())
+        return
+    click.echo(f"{plan.name} {plan.version}")
+    click.echo(f"digest   {plan.digest}")
+    click.echo("versions " + ", ".join(f"{k} {v}" for k, v in sorted(plan.versions.items())))
+    click.echo(f"class    {plan.plan['class']}")
+    click.echo(f"entry    {plan.plan['entry']}")
+    click.echo("stages")
+    for name, stage in plan.plan["stages"].items():
+        target = stage.get("action") or stage.get("worker") or ""
+        queue = f" on {stage['queue']}" if "queue" in stage else ""
+        click.echo(f"  {name:<24} {stage['type']:<9} {target}{queue}")
+
+
+@main.command()
+@click.argument("file", type=click.Path(exists=True, dir_okay=False))
+@registry_options
+def graph(file: str, modules: tuple[str, ...], registry_file: str | None) -> None:
+    """Print the compiled plan as a Mermaid flowchart."""
+    click.echo(render_mermaid(_compile_or_exit(_env(modules, registry_file), file).plan), nl=False)
+
+
+@main.group()
+def contracts() -> None:
+    """Inspect the contract registry."""
+
+
+@contracts.command(name="list")
+@click.option("--json", "as_json", is_flag=True, help="Print the contracts as JSON.")
+@registry_options
+def contracts_list(as_json: bool, modules: tuple[str, ...], registry_file: str | None) -> None:
+    """List every registered contract with its kind and default queue."""
+    registry = _env(modules, registry_file).registry
+    if as_json:
+        _emit_json([{"ref": c.ref, "kind": c.kind.value, "queue": c.queue} for c in registry.contracts()])
+        return
+    for c in registry.contracts():
+        click.echo(f"{c.ref:<28} {c.kind.value:<7} {c.queue}")
+
+
+@contracts.command(name="export")
+@registry_options
+def contracts_export(modules: tuple[str, ...], registry_file: str | None) -> None:
+    """Serialise the registry as JSON (load it again with --registry FILE)."""
+    click.echo(_env(modules, registry_file).registry.to_json())
+
+
+def _compile_or_exit(env: Env, file: str) -> CompiledPlan:
+    try:
+        return env.compile(file)
+    except DefinitionError as exc:
+        for problem in exc.problems:
+            click.echo(str(problem), err=True)
+        sys.exit(1)

@@ -1,0 +1,122 @@
+"""Layer 4, runtime binding: turn a stage's ``input`` template into a value, with distinct errors.
+
+A missing value, a null and a wrong type are three different failures (:class:`BindingMissing`,
+:class:`BindingNull`, :class:`BindingWrongType`), because they have different causes and fixes: a
+missing context field is the caller's omission, a null is a value somebody wrote, a wrong type is a
+contract mismatch. Plain paths (``context.a.b``) are walked here so the three cases are told apart
+exactly; any other expression is evaluated by CEL and its errors are mapped the same way.
+Pure: the variables are passed in.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jsonschema
+
+from orchestrator.dsl.expressions import Binding, Expr, compile_cel, parse_template, plain_path
+from orchestrator.errors import (
+    BindingEvaluationError,
+    BindingMissing,
+    BindingNull,
+    BindingWrongType,
+)
+
+Schema = dict[str, Any]
+
+
+def bind(template: Any, variables: dict[str, Any], schema: Schema | None, target: str) -> Any:
+    """Resolve every ``${...}`` in ``template`` and check the result against ``schema`` (if given)."""
+    value = _resolve(template, variables, target)
+    if schema is not None:
+        _check(value, schema, target)
+    return value
+
+
+def _resolve(template: Any, variables: dict[str, Any], target: str) -> Any:
+    if isinstance(template, dict):
+        return {k: _resolve(v, variables, f"{target}.{k}") for k, v in template.items()}
+    if isinstance(template, list):
+        return [_resolve(v, variables, f"{target}[{i}]") for i, v in enumerate(template)]
+    if not isinstance(template, str):
+        return template
+    parsed = parse_template(template)
+    if not isinstance(parsed, Binding):
+        return parsed
+    if parsed.whole:
+        return evaluate(parsed.whole.source, variables, target)
+    return "".join(_render(p, variables, target) for p in parsed.parts)
+
+
+def _render(part: str | Expr, variables: dict[str, Any], target: str) -> str:
+    if isinstance(part, str):
+        return part
+    value = evaluate(part.source, variables, target)
+    if value is None:
+        raise BindingNull(target, part.source, "is null and cannot be written into text")
+    if isinstance(value, dict | list):
+        raise BindingWrongType(target, part.source, f"is a {type(value).__name__}; text takes a scalar")
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def evaluate(src: str, variables: dict[str, Any], target: str) -> Any:
+    """Evaluate one expression against ``variables``, mapping failures to the binding errors."""
+    ref = plain_path(src)
+    if ref is not None:
+        return _walk(src, ref.root, ref.path, variables, target)
+    try:
+        return compile_cel(src).execute(variables)
+    except (KeyError, IndexError) as exc:
+        raise BindingMissing(target, src, f"a referenced value does not exist ({exc})") from exc
+    except TypeError as exc:
+        raise BindingWrongType(target, src, f"{str(exc).splitlines()[0][:160]}") from exc
+    except RuntimeError as exc:
+        raise BindingMissing(target, src, str(exc).split(".")[0]) from exc
+    except Exception as exc:  # CEL raises ValueError, ZeroDivisionError, ...; all are this expression's fault
+        raise BindingEvaluationError(target, src, f"{type(exc).__name__}: {exc}") from exc
+
+
+def _walk(src: str, root: str, path: tuple[str | int, ...], variables: dict[str, Any], target: str) -> Any:
+    if root not in variables:
+        raise BindingMissing(target, src, f"{root!r} is not defined here")
+    value = variables[root]
+    where = root
+    for key in path:
+        if value is None:
+            raise BindingNull(target, src, f"{where} is null, so it has no {key!r}")
+        if isinstance(value, dict) and isinstance(key, str):
+            if key not in value:
+                raise BindingMissing(target, src, f"{where} has no field {key!r}")
+            value = value[key]
+        elif isinstance(value, list) and isinstance(key, int):
+            if key >= len(value):
+                raise BindingMissing(
+                    target, src, f"{where} has {len(value)} items; index {key} does not exist"
+                )
+            value = value[key]
+        else:
+            raise BindingWrongType(target, src, f"{where} is a {_json_type(value)}; cannot select {key!r}")
+        where = f"{where}[{key}]" if isinstance(key, int) else f"{where}.{key}"
+    return value
+
+
+def _check(value: Any, schema: Schema, target: str) -> None:
+    validator = jsonschema.Draft202012Validator(schema)
+    for error in sorted(validator.iter_errors(value), key=lambda e: list(e.absolute_path)):
+        where = target + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error.absolute_path)
+        if error.instance is None:
+            raise BindingNull(where, "", "is null, but the contract requires a value")
+        if error.validator == "required":
+            raise BindingMissing(where, "", error.message)
+        raise BindingWrongType(where, "", error.message)
+
+
+def _json_type(value: Any) -> str:
+    return {
+        dict: "object",
+        list: "array",
+        str: "string",
+        bool: "boolean",
+        int: "integer",
+        float: "number",
+    }.get(type(value), type(value).__name__)

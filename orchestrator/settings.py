@@ -1,0 +1,61 @@
+"""Settings, read once at the edge (CLI, process start) from ``SAGA_*`` environment variables and passed
+down. Nothing else reads the environment."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from orchestrator.compiler.limits import AdmissionLimits
+from orchestrator.dsl.expressions import ExpressionLimits
+from orchestrator.dsl.yaml_source import YamlLimits
+
+DEFAULT_CONTRACT_MODULES = ("workers.demo",)
+
+
+def _split(value: object) -> object:
+    return tuple(p.strip() for p in value.split(",") if p.strip()) if isinstance(value, str) else value
+
+
+class Settings(BaseSettings):
+    """Every knob, with the ``SAGA_`` prefix: ``SAGA_MAX_FORK_BRANCHES=64``, ``SAGA_CONTRACTS=a.b,c.d``."""
+
+    model_config = SettingsConfigDict(env_prefix="SAGA_", extra="ignore")
+
+    contracts: Annotated[tuple[str, ...], NoDecode] = Field(
+        DEFAULT_CONTRACT_MODULES, description="modules whose @action/@worker handlers form the registry"
+    )
+    shard_classes: Annotated[tuple[str, ...], NoDecode] = ("fast", "slow")
+    max_stages: int = 200
+    max_fork_branches: int = 32
+    max_map_items: int = 10_000
+    max_attempts: int = 10
+    max_stage_deadline_ms: int = 86_400_000
+    max_run_deadline_ms: int = 30 * 86_400_000
+    max_input_bytes: int = 65_536
+    max_expression_chars: int = 1_000
+    max_expression_depth: int = 16
+    max_definition_bytes: int = 1_048_576
+
+    @field_validator("contracts", "shard_classes", mode="before")
+    @classmethod
+    def _comma_separated(cls, value: object) -> object:
+        return _split(value)
+
+    def admission_limits(self) -> AdmissionLimits:
+        return AdmissionLimits(
+            max_stages=self.max_stages,
+            max_fork_branches=self.max_fork_branches,
+            max_map_items=self.max_map_items,
+            max_attempts=self.max_attempts,
+            max_stage_deadline_ms=self.max_stage_deadline_ms,
+            max_run_deadline_ms=self.max_run_deadline_ms,
+            max_input_bytes=self.max_input_bytes,
+            shard_classes=self.shard_classes,
+            expressions=ExpressionLimits(
+                max_chars=self.max_expression_chars, max_depth=self.max_expression_depth
+            ),
+            yaml=YamlLimits(max_bytes=self.max_definition_bytes),
+        )
