@@ -30,6 +30,7 @@ ALLOWED_FUNCTIONS = frozenset(
     }
 )  # fmt: skip
 MACROS = frozenset({"has", "all", "exists", "exists_one", "map", "filter"})
+_LITERALS = frozenset({"true", "false", "null"})
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
@@ -353,7 +354,7 @@ def plain_path(src: str) -> Reference | None:
         tokens = tokenize(src)
     except ExpressionSyntaxError:
         return None
-    if not tokens or tokens[0].kind != "ident":
+    if not tokens or tokens[0].kind != "ident" or tokens[0].text in _LITERALS:
         return None
     refs = references(tokens, frozenset({tokens[0].text}))
     return refs[0] if len(refs) == 1 and _is_single_chain(tokens, refs[0]) else None
