@@ -1,0 +1,212 @@
+"""The pure state machine: ``advance(plan, digest, run, event, now_ms) -> Decision``.
+
+No I/O, no clock, no randomness: the store loads the snapshot, the engine decides, the store applies the
+decision atomically (checking every ``Expect`` first). The same event sequence always gives the same
+decisions, so recorded histories replay in tests.
+
+What the engine decides for each event:
+
+* ``StartRun``: create the run (a start for an existing run is a duplicate); a context that fails the
+  definition's schema creates the run with a failed intent, so the caller can see why.
+* ``StageResult``: after an intent, late; for another fence, stale; for a settled stage, a duplicate;
+  otherwise the result is accepted and the stage's route is entered (a map item is an arrival at the map's
+  barrier instead).
+* ``BarrierReleased``: the join or map stage completes and its ``on_success`` route is entered.
+* ``FinaliserResult``: the outcome is recorded and the next finaliser dispatched, or the run finishes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from orchestrator.engine import ids
+from orchestrator.engine.model import (
+    ACTIVE_STAGE_STATUSES,
+    RUN,
+    Arrival,
+    BarrierReleased,
+    Decision,
+    Event,
+    FinaliserResult,
+    HistoryEntry,
+    Intent,
+    Key,
+    Outgoing,
+    RunSnapshot,
+    RunStatus,
+    StageRecord,
+    StageResult,
+    StageStatus,
+    StartRun,
+    Verdict,
+)
+from orchestrator.engine.step import Step, context_problems, dumps
+
+__all__ = ["advance"]
+
+
+def advance(
+    plan: Mapping[str, Any], digest: str, run: RunSnapshot | None, event: Event, now_ms: int
+) -> Decision:
+    if isinstance(event, StartRun):
+        return _start(plan, digest, run, event, now_ms)
+    if run is None:
+        return _rejected(Verdict.INVALID, "names no run", getattr(event, "stage", None))
+    if isinstance(event, StageResult):
+        return _stage_result(Step(plan, digest, run, now_ms), event)
+    if isinstance(event, BarrierReleased):
+        return _barrier_released(Step(plan, digest, run, now_ms), event)
+    return _finaliser_result(Step(plan, digest, run, now_ms), event)
+
+
+def _rejected(verdict: Verdict, why: str, stage: str | None, attempt: int | None = None) -> Decision:
+    entry = HistoryEntry("callback.rejected", stage, attempt, {"reason": verdict.value, "detail": why})
+    return Decision(verdict=verdict, history=(entry,))
+
+
+def _start(
+    plan: Mapping[str, Any], digest: str, run: RunSnapshot | None, event: StartRun, now_ms: int
+) -> Decision:
+    if run is not None:
+        return _rejected(Verdict.DUPLICATE, "the run already exists", None)
+    fresh = RunSnapshot(
+        run_id=event.run_id,
+        shard=event.shard,
+        digest=digest,
+        status=RunStatus.RUNNING,
+        context=event.context,
+        tenant=event.tenant,
+    )
+    step = Step(plan, digest, fresh, now_ms)
+    step.write(
+        RUN,
+        run_id=event.run_id,
+        shard=event.shard,
+        definition=plan["name"],
+        version=plan["version"],
+        digest=digest,
+        status=RunStatus.RUNNING.value,
+        context=dumps(dict(event.context)),
+        tenant=event.tenant,
+        epoch="1",
+        created_at=str(now_ms),
+    )
+    step.record("run.started", definition=plan["name"], digest=digest)
+    problems = context_problems(plan, event.context)
+    if problems:
+        step.set_intent(Intent.FAILED, "invalid context: " + "; ".join(problems))
+    else:
+        step.enter(None, plan["entry"])
+    return step.decision(create=True)
+
+
+def _stage_result(step: Step, event: StageResult) -> Decision:
+    run = step.run
+    rec = run.stages.get(event.stage)
+    stage = step.plan["stages"].get(event.stage)
+    if stage is None or rec is None:
+        return _rejected(Verdict.INVALID, f"stage {event.stage!r} was never dispatched", event.stage)
+    if run.intent is not None:
+        return _rejected(
+            Verdict.LATE, f"the run already has the {run.intent.value} intent", event.stage, event.attempt
+        )
+    if rec.fence != event.fence:
+        return _rejected(
+            Verdict.STALE, f"fence {event.fence} is not the current {rec.fence}", event.stage, event.attempt
+        )
+    if stage["type"] == "map":
+        return _map_item(step, stage, rec, event)
+    if rec.status not in ACTIVE_STAGE_STATUSES:
+        return _rejected(
+            Verdict.DUPLICATE, f"the attempt is already {rec.status.value}", event.stage, event.attempt
+        )
+    _guard_stage(step, event.stage, rec)
+    if event.ok:
+        step.set_stage(
+            event.stage, StageRecord(StageStatus.COMPLETED, rec.attempt, rec.fence, result=event.result)
+        )
+        step.record("stage.completed", event.stage, rec.attempt)
+        step.enter(event.stage, stage["on_success"])
+    else:
+        step.set_stage(
+            event.stage, StageRecord(StageStatus.FAILED, rec.attempt, rec.fence, error=event.error)
+        )
+        step.record("stage.failed", event.stage, rec.attempt, error=event.error)
+        step.enter(event.stage, stage["on_failure"], "failed", event.error)
+    return step.decision()
+
+
+def _guard_stage(step: Step, name: str, rec: StageRecord) -> None:
+    """The transition holds only while the attempt is the one we read and the run has no intent."""
+    step.expect(Key("stage", name), "fence", rec.fence)
+    step.expect(Key("stage", name), "status", rec.status.value)
+    step.expect(RUN, "intent", None)
+
+
+def _map_item(step: Step, stage: Mapping[str, Any], rec: StageRecord, event: StageResult) -> Decision:
+    if rec.status not in ACTIVE_STAGE_STATUSES:
+        return _rejected(
+            Verdict.DUPLICATE, f"the map is already {rec.status.value}", event.stage, event.attempt
+        )
+    if event.item is None or event.item < 0:
+        return _rejected(Verdict.INVALID, "a map item result must name its item", event.stage)
+    if not event.ok:
+        _guard_stage(step, event.stage, rec)
+        error = f"item {event.item}: {event.error}"
+        step.set_stage(event.stage, StageRecord(StageStatus.FAILED, rec.attempt, rec.fence, error=error))
+        step.record("stage.failed", event.stage, rec.attempt, item=event.item, error=event.error)
+        step.enter(event.stage, stage["on_failure"], "failed", error)
+        return step.decision()
+    # Arrivals commute: checked against the map's own fence, never the whole run.
+    step.expect(Key("stage", event.stage), "fence", rec.fence)
+    step.expect(RUN, "intent", None)
+    release = Outgoing(
+        ids.message_id("release", step.run.run_id, event.stage, rec.fence),
+        "barrier.released",
+        ("shard", step.run.shard),
+        {"run_id": step.run.run_id, "stage": event.stage, "fence": rec.fence},
+    )
+    step.arrival = Arrival(Key("barrier", event.stage), str(event.item), release, result=dumps(event.result))
+    return step.decision()
+
+
+def _barrier_released(step: Step, event: BarrierReleased) -> Decision:
+    run = step.run
+    rec = run.stages.get(event.stage)
+    stage = step.plan["stages"].get(event.stage)
+    if stage is None or rec is None or stage["type"] not in ("join", "map"):
+        return _rejected(Verdict.INVALID, f"{event.stage!r} is not a barrier of this run", event.stage)
+    if run.intent is not None:
+        return _rejected(Verdict.LATE, f"the run already has the {run.intent.value} intent", event.stage)
+    if rec.fence != event.fence:
+        return _rejected(Verdict.STALE, f"fence {event.fence} is not the current {rec.fence}", event.stage)
+    if rec.status not in ACTIVE_STAGE_STATUSES:
+        return _rejected(Verdict.DUPLICATE, f"the barrier is already {rec.status.value}", event.stage)
+    _guard_stage(step, event.stage, rec)
+    result = run.map_results.get(event.stage) if stage["type"] == "map" else None
+    step.set_stage(event.stage, StageRecord(StageStatus.COMPLETED, rec.attempt, rec.fence, result=result))
+    kind = "join.released" if stage["type"] == "join" else "stage.completed"
+    step.record(kind, event.stage, rec.attempt)
+    step.enter(event.stage, stage["on_success"])
+    return step.decision()
+
+
+def _finaliser_result(step: Step, event: FinaliserResult) -> Decision:
+    run = step.run
+    name = f"finaliser:{event.index}"
+    if run.status is not RunStatus.FINALISING or run.intent is None:
+        return _rejected(Verdict.DUPLICATE, f"the run is {run.status.value}, not finalising", name)
+    current = ids.finaliser_fence(run.epoch, run.finaliser_index)
+    if event.index != run.finaliser_index or event.fence != current:
+        verdict = Verdict.DUPLICATE if event.index < run.finaliser_index else Verdict.STALE
+        return _rejected(verdict, f"finaliser {event.index} is not the current one", name)
+    step.expect(RUN, "finaliser_index", str(run.finaliser_index))
+    step.expect(RUN, "status", RunStatus.FINALISING.value)
+    if event.ok:
+        step.record("finaliser.completed", name)
+    else:
+        step.write(RUN, finaliser_failed="1")
+        step.record("finaliser.failed", name, error=event.error)
+    step.start_finaliser(event.index + 1)
+    return step.decision()

@@ -1,0 +1,382 @@
+"""The builder one transition is assembled in, and the routing rules (what entering a target means).
+
+Routing is recursive: entering a decision evaluates it and enters its target; entering a fork enters
+every branch; entering a terminal sets the intent and starts finalisation. Everything entered in one
+transition lands in the same Decision, which the store applies atomically.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import jsonschema
+
+from orchestrator.dsl.binding import bind, evaluate
+from orchestrator.engine import ids
+from orchestrator.engine.model import (
+    ACTIVE_STAGE_STATUSES,
+    RUN,
+    Arrival,
+    BarrierInit,
+    Decision,
+    Expect,
+    HistoryEntry,
+    Intent,
+    Key,
+    Outgoing,
+    RunSnapshot,
+    RunStatus,
+    StageRecord,
+    StageStatus,
+    Verdict,
+    Write,
+)
+from orchestrator.errors import BindingError
+
+TERMINALS = frozenset(i.value for i in Intent)
+
+
+def dumps(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"), sort_keys=True)
+
+
+@dataclass
+class Step:
+    """One transition under construction."""
+
+    plan: Mapping[str, Any]
+    digest: str
+    run: RunSnapshot
+    now_ms: int
+    history: list[HistoryEntry] = field(default_factory=list)
+    expects: dict[tuple[Key, str], str | None] = field(default_factory=dict)
+    writes: dict[Key, dict[str, str]] = field(default_factory=dict)
+    barriers: list[BarrierInit] = field(default_factory=list)
+    arrival: Arrival | None = None
+    outgoing: list[Outgoing] = field(default_factory=list)
+    overlay: dict[str, StageRecord] = field(default_factory=dict)
+    finished: bool = False
+    intent: Intent | None = None
+    reason: str | None = None
+
+    # ---- primitives --------------------------------------------------------------------------------
+
+    def expect(self, key: Key, name: str, value: str | None) -> None:
+        self.expects.setdefault((key, name), value)
+
+    def write(self, key: Key, **fields: str) -> None:
+        self.writes.setdefault(key, {}).update(fields)
+
+    def record(self, kind: str, stage: str | None = None, attempt: int | None = None, **detail: Any) -> None:
+        self.history.append(HistoryEntry(kind, stage, attempt, detail))
+
+    def set_stage(self, name: str, record: StageRecord) -> None:
+        self.overlay[name] = record
+        fields = {"status": record.status.value, "attempt": str(record.attempt), "fence": record.fence}
+        if record.result is not None:
+            fields["result"] = dumps(record.result)
+        if record.error is not None:
+            fields["error"] = record.error
+        self.write(Key("stage", name), **fields)
+
+    def stage(self, name: str) -> StageRecord | None:
+        return self.overlay.get(name) or self.run.stages.get(name)
+
+    def decision(self, verdict: Verdict = Verdict.APPLIED, *, create: bool = False) -> Decision:
+        return Decision(
+            verdict=verdict,
+            history=tuple(self.history),
+            expects=tuple(Expect(k, f, v) for (k, f), v in self.expects.items()),
+            writes=tuple(Write(k, v) for k, v in self.writes.items()),
+            barriers=tuple(self.barriers),
+            arrival=self.arrival,
+            outgoing=tuple(self.outgoing),
+            create=create,
+            finished=self.finished,
+        )
+
+    # ---- bindings ----------------------------------------------------------------------------------
+
+    def variables(self, **extra: Any) -> dict[str, Any]:
+        names = set(self.run.stages) | set(self.overlay)
+        stages = {}
+        for name in names:
+            rec = self.stage(name)
+            if rec is not None:
+                stages[name] = {"state": rec.status.value, "attempt": rec.attempt, "result": rec.result}
+        return {"context": dict(self.run.context), "stages": stages, **extra}
+
+    # ---- routing -----------------------------------------------------------------------------------
+
+    def enter(
+        self, source: str | None, target: str, outcome: str = "completed", why: str | None = None
+    ) -> None:
+        """Follow a route from ``source`` (None: the run's start) to ``target``; ``why`` explains a
+        failure route and becomes the run's reason if it ends at the failed intent."""
+        if self.intent is not None:
+            return  # an intent was set earlier in this transition; nothing else starts
+        if target in TERMINALS:
+            reason = None if target == Intent.COMPLETED else f"{source}: {why or outcome}"
+            self.set_intent(Intent(target), reason)
+            return
+        stage = self.plan["stages"][target]
+        kind = stage["type"]
+        if kind == "join":
+            self._arrive(source, target, stage, outcome)
+        elif kind == "decision":
+            self._decide(target, stage)
+        elif kind == "fork":
+            self._fork(target, stage)
+        elif kind == "map":
+            self._map(target, stage)
+        else:
+            self.dispatch(target, stage, attempt=1)
+
+    def _decide(self, name: str, stage: Mapping[str, Any]) -> None:
+        variables = self.variables()
+        for i, branch in enumerate(stage["branches"]):
+            try:
+                taken = evaluate(branch["when"], variables, f"{name}.branches[{i}].when")
+            except BindingError as exc:
+                self.record("decision.failed", name, error=str(exc))
+                self.enter(name, stage["on_evaluation_error"], "failed", f"evaluation error: {exc}")
+                return
+            if not isinstance(taken, bool):
+                error = f"branch {i} gave {taken!r}, not a boolean"
+                self.record("decision.failed", name, error=error)
+                self.enter(name, stage["on_evaluation_error"], "failed", f"evaluation error: {error}")
+                return
+            if taken:
+                self.record("decision.taken", name, branch=i, next=branch["next"])
+                self.enter(name, branch["next"])
+                return
+
+    def _fork(self, name: str, stage: Mapping[str, Any]) -> None:
+        fence = ids.stage_fence(self.run.epoch, 1)
+        self.expect(Key("stage", name), "fence", None)
+        self.set_stage(name, StageRecord(StageStatus.COMPLETED, 1, fence))
+        join = self._join_of(name)
+        self.barriers.append(BarrierInit(Key("barrier", join), len(stage["branches"])))
+        self.set_stage(join, StageRecord(StageStatus.RUNNING, 1, fence))
+        self.record("fork.released", name, branches=list(stage["branches"]))
+        for branch in stage["branches"]:
+            self.enter(name, branch)
+
+    def _join_of(self, fork: str) -> str:
+        return next(
+            str(n) for n, s in self.plan["stages"].items() if s["type"] == "join" and s["fork"] == fork
+        )
+
+    def _arrive(self, source: str | None, join: str, stage: Mapping[str, Any], outcome: str) -> None:
+        branch = self.plan["stages"][source]["arrives_at"]["branch"] if source else ""
+        if outcome not in stage["acceptable_terminal_states"]:
+            self.record("join.failed", join, branch=branch, outcome=outcome)
+            rec = self.stage(join)
+            self.set_stage(join, StageRecord(StageStatus.FAILED, 1, rec.fence if rec else "", error=outcome))
+            self.enter(join, stage["on_failure"], "failed", f"branch {branch!r} arrived {outcome}")
+            return
+        rec = self.stage(join)
+        fence = rec.fence if rec else ids.stage_fence(self.run.epoch, 1)
+        release = Outgoing(
+            ids.message_id("release", self.run.run_id, join, fence),
+            "barrier.released",
+            ("shard", self.run.shard),
+            {"run_id": self.run.run_id, "stage": join, "fence": fence},
+        )
+        self.record("branch.arrived", join, branch=branch, outcome=outcome)
+        self.arrival = Arrival(Key("barrier", join), branch, release)
+
+    def _map(self, name: str, stage: Mapping[str, Any]) -> None:
+        try:
+            items = bind(stage["items"], self.variables(), None, f"{name}.items")
+        except BindingError as exc:
+            self.fail_to_start(name, stage, str(exc))
+            return
+        if not isinstance(items, list):
+            self.fail_to_start(name, stage, f"items gave a {type(items).__name__}, not a list")
+            return
+        if len(items) > stage["max_items"]:
+            self.fail_to_start(
+                name, stage, f"items has {len(items)} entries, over max_items {stage['max_items']}"
+            )
+            return
+        fence = ids.stage_fence(self.run.epoch, 1)
+        self.expect(Key("stage", name), "fence", None)
+        if not items:
+            self.set_stage(name, StageRecord(StageStatus.COMPLETED, 1, fence, result=[]))
+            self.record("stage.completed", name, 1, items=0)
+            self.enter(name, stage["on_success"])
+            return
+        inputs = []
+        for index, item in enumerate(items):
+            try:
+                inputs.append(self._bind_input(name, stage, item=item, index=index))
+            except BindingError as exc:
+                self.fail_to_start(name, stage, str(exc))
+                return
+        self.set_stage(name, StageRecord(StageStatus.DISPATCHED, 1, fence))
+        self.barriers.append(BarrierInit(Key("barrier", name), len(items)))
+        for index, payload in enumerate(inputs):
+            self._send_task(name, stage, 1, fence, payload, item=index)
+        self.record("stage.dispatched", name, 1, items=len(items), queue=stage["queue"])
+
+    # ---- work stages -------------------------------------------------------------------------------
+
+    def _bind_input(self, name: str, stage: Mapping[str, Any], **extra: Any) -> Any:
+        ref = stage.get("action") or stage["worker"]
+        schema = self.plan["contracts"][ref]["input_schema"]
+        return bind(stage["input"], self.variables(**extra), schema, f"{name}.input")
+
+    def dispatch(self, name: str, stage: Mapping[str, Any], attempt: int) -> None:
+        try:
+            payload = self._bind_input(name, stage)
+        except BindingError as exc:
+            self.fail_to_start(name, stage, str(exc))
+            return
+        previous = self.stage(name)
+        fence = ids.stage_fence(self.run.epoch, attempt)
+        self.expect(Key("stage", name), "fence", previous.fence if previous else None)
+        self.set_stage(name, StageRecord(StageStatus.DISPATCHED, attempt, fence))
+        self._send_task(name, stage, attempt, fence, payload)
+        self.record("stage.dispatched", name, attempt, queue=stage["queue"])
+
+    def _send_task(
+        self,
+        name: str,
+        stage: Mapping[str, Any],
+        attempt: int,
+        fence: str,
+        payload: Any,
+        *,
+        item: int | None = None,
+    ) -> None:
+        ref = stage.get("action") or stage["worker"]
+        message_id = ids.message_id("task", self.run.run_id, name, fence, "" if item is None else item)
+        body = {
+            "run_id": self.run.run_id,
+            "shard": self.run.shard,
+            "stage": name,
+            "attempt": attempt,
+            "fence": fence,
+            "item": item,
+            "contract": ref,
+            "input": payload,
+            "idempotency_key": message_id,
+        }
+        self.outgoing.append(Outgoing(message_id, "task", ("task", stage["queue"]), body))
+
+    def fail_to_start(self, name: str, stage: Mapping[str, Any], error: str) -> None:
+        """A stage whose input cannot be bound fails without being dispatched, and follows on_failure."""
+        previous = self.stage(name)
+        fence = ids.stage_fence(self.run.epoch, 1)
+        self.expect(Key("stage", name), "fence", previous.fence if previous else None)
+        self.set_stage(name, StageRecord(StageStatus.FAILED, 1, fence, error=error))
+        self.record("stage.failed", name, 1, error=error, reason="binding")
+        self.enter(name, stage["on_failure"], "failed", error)
+
+    # ---- intent, finalisers, end -------------------------------------------------------------------
+
+    def set_intent(self, intent: Intent, reason: str | None) -> None:
+        if intent is Intent.COMPLETED and self.plan.get("output") is not None:
+            try:
+                output = bind(self.plan["output"], self.variables(), None, "output")
+                self.write(RUN, output=dumps(output))
+            except BindingError as exc:
+                intent, reason = Intent.FAILED, f"output binding failed: {exc}"
+        self.intent, self.reason = intent, reason
+        self.expect(RUN, "intent", None)
+        fields = {"intent": intent.value, "status": RunStatus.FINALISING.value}
+        if reason:
+            fields["reason"] = reason
+        self.write(RUN, **fields)
+        self.record("intent.set", intent=intent.value, reason=reason)
+        if intent is Intent.FAILED:
+            self._cancel_active()
+        self.start_finaliser(0)
+
+    def _cancel_active(self) -> None:
+        names = set(self.run.stages) | set(self.overlay)
+        for name in sorted(names):
+            rec = self.stage(name)
+            stage = self.plan["stages"].get(name, {})
+            if rec is None or rec.status not in ACTIVE_STAGE_STATUSES or stage.get("type") == "join":
+                continue
+            self.set_stage(name, StageRecord(StageStatus.CANCELLED, rec.attempt, rec.fence))
+            self.record("cancellation.requested", name, rec.attempt, fence=rec.fence)
+            self.outgoing.append(
+                Outgoing(
+                    ids.message_id("cancel", self.run.run_id, name, rec.fence),
+                    "cancel",
+                    ("events", f"cancel.{self.run.run_id}"),
+                    {"run_id": self.run.run_id, "stage": name, "fence": rec.fence},
+                )
+            )
+
+    def start_finaliser(self, index: int) -> None:
+        finalisers = self.plan.get("finalisers") or []
+        if index >= len(finalisers):
+            self.finish()
+            return
+        ref = finalisers[index]
+        fence = ids.finaliser_fence(self.run.epoch, index)
+        message_id = ids.message_id("task", self.run.run_id, f"finaliser:{index}", fence)
+        body = {
+            "run_id": self.run.run_id,
+            "shard": self.run.shard,
+            "stage": f"finaliser:{index}",
+            "attempt": 1,
+            "fence": fence,
+            "item": None,
+            "contract": ref,
+            "input": {
+                "run_id": self.run.run_id,
+                "definition": self.plan["name"],
+                "definition_version": self.plan["version"],
+                "digest": self.digest,
+                "intent": (self.intent or self.run.intent or Intent.FAILED).value,
+                "reason": self.reason or self.run.reason,
+            },
+            "idempotency_key": message_id,
+        }
+        self.write(RUN, finaliser_index=str(index))
+        queue = self.plan["contracts"][ref]["queue"]
+        self.outgoing.append(Outgoing(message_id, "task", ("task", queue), body))
+        self.record("finaliser.dispatched", f"finaliser:{index}", contract=ref)
+
+    def finish(self) -> None:
+        intent = self.intent or self.run.intent
+        failed = self.run.finaliser_failed or self.writes.get(RUN, {}).get("finaliser_failed") == "1"
+        status = RunStatus.COMPLETED if intent is Intent.COMPLETED and not failed else RunStatus.FAILED
+        self.write(RUN, status=status.value, finished_at=str(self.now_ms))
+        self.record(f"run.{status.value}")
+        written = self.writes.get(RUN, {}).get("output")
+        output = json.loads(written) if written else self.run.output
+        self.outgoing.append(
+            Outgoing(
+                ids.message_id("event", self.run.run_id, status.value, self.run.epoch),
+                "run.finished",
+                ("events", f"run.{status.value}.{self.plan['name']}"),
+                {
+                    "run_id": self.run.run_id,
+                    "definition": self.plan["name"],
+                    "state": status.value,
+                    "output": output,
+                    "reason": self.reason or self.run.reason,
+                },
+            )
+        )
+        self.finished = True
+
+
+def context_problems(plan: Mapping[str, Any], context: Mapping[str, Any]) -> list[str]:
+    schema = plan.get("context")
+    if schema is None:
+        return []
+    validator = jsonschema.Draft202012Validator(schema)
+    return [
+        f"{'.'.join(str(p) for p in e.absolute_path) or 'context'}: {e.message}"
+        for e in sorted(validator.iter_errors(dict(context)), key=lambda e: list(e.absolute_path))
+    ]
