@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import click
+import pydantic
 
 from orchestrator.compiler import CompiledPlan, compile_text
 from orchestrator.compiler.mermaid import render_mermaid
@@ -74,7 +75,15 @@ def registry_options(fn: F) -> F:
 
 
 def _env(modules: tuple[str, ...], registry_file: str | None) -> Env:
-    return Env(Settings(), modules, registry_file)
+    try:
+        settings = Settings()
+    except pydantic.ValidationError as exc:
+        problems = "; ".join(
+            f"SAGA_{'_'.join(str(p) for p in e['loc']).upper()}: {e['msg']} (got {e['input']!r})"
+            for e in exc.errors(include_url=False)
+        )
+        raise click.UsageError(f"invalid setting: {problems}") from exc
+    return Env(settings, modules, registry_file)
 
 
 def _emit_json(value: Any) -> None:

@@ -15,14 +15,13 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from orchestrator.dsl.models import CONTRACT_REF_PATTERN
+from orchestrator.dsl.models import CONTRACT_REF_PATTERN, QUEUE_PATTERN
 from orchestrator.errors import ContractError, ContractLoadError, ContractNotFound
 
 CONTRACT_ATTRIBUTE = "__saga_contract__"
 ACTIONS_QUEUE = "tasks.actions"
 PARALLEL_QUEUE = "tasks.parallel"
 SERIAL_QUEUE = "tasks.serial"
-QUEUE_PATTERN = r"^[a-z][a-z0-9_.-]{0,127}$"
 
 
 class ContractKind(StrEnum):
@@ -134,6 +133,30 @@ class Registry:
         return cls(found)
 
 
+_ANNOTATIONS = frozenset({"title", "description", "examples"})
+_SCHEMA_MAPS = frozenset({"properties", "$defs", "definitions", "patternProperties"})
+
+
+def strip_annotations(schema: Any) -> Any:
+    """Drop documentation keywords (title, description, examples) from a JSON Schema, keeping property
+    names: rewording a model's docstring must not change a contract, nor the digest of plans using it."""
+    if isinstance(schema, list):
+        return [strip_annotations(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key in _ANNOTATIONS:
+            continue
+        if key in _SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: strip_annotations(sub) for name, sub in value.items()}
+        elif key in ("const", "enum", "default"):
+            out[key] = value
+        else:
+            out[key] = strip_annotations(value)
+    return out
+
+
 def split_ref(ref: str) -> tuple[str, int]:
     """``"cache.lookup@1"`` -> ``("cache.lookup", 1)``; the DSL has already checked the pattern."""
     name, _, version = ref.rpartition("@")
@@ -151,4 +174,5 @@ __all__ = [
     "Registry",
     "RunTerminalInput",
     "split_ref",
+    "strip_annotations",
 ]

@@ -44,6 +44,13 @@ class Settings(BaseSettings):
     def _comma_separated(cls, value: object) -> object:
         return _split(value)
 
+    @field_validator("contracts", "shard_classes")
+    @classmethod
+    def _not_empty(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        if not value:
+            raise ValueError("must name at least one entry (comma-separated)")
+        return value
+
     def admission_limits(self) -> AdmissionLimits:
         return AdmissionLimits(
             max_stages=self.max_stages,

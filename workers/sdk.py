@@ -26,6 +26,7 @@ from orchestrator.contracts import (
     PARALLEL_QUEUE,
     Contract,
     ContractKind,
+    strip_annotations,
 )
 from orchestrator.errors import ContractError
 
@@ -108,8 +109,8 @@ def _declare(
             version=version,
             kind=kind,
             queue=queue,
-            input_schema=input_model.model_json_schema(),
-            output_schema=output_model.model_json_schema(),
+            input_schema=strip_annotations(input_model.model_json_schema()),
+            output_schema=strip_annotations(output_model.model_json_schema()),
             description=description,
         )
     except ValidationError as exc:

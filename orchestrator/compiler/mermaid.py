@@ -6,7 +6,6 @@ terminal intents lead to the finalisers, which expose the final state.
 
 from __future__ import annotations
 
-import re
 from collections import deque
 from typing import Any
 
@@ -99,7 +98,8 @@ def _terminals(plan: dict[str, Any]) -> list[str]:
 def _id(name: str) -> str:
     if name in ("completed", "failed"):
         return f"T_{name}"
-    return "S_" + re.sub(r"[^A-Za-z0-9]", "_", name)
+    # stage names are [a-z0-9_-]: map '_' to 'U' so that a-b and a_b stay distinct nodes
+    return "S_" + name.replace("_", "U").replace("-", "_")
 
 
 def _short(text: str, limit: int = 48) -> str:

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, JsonValue
 
 NAME_PATTERN = r"^[a-z][a-z0-9_-]{0,63}$"
 CONTRACT_REF_PATTERN = r"^[a-z][a-z0-9_.-]{0,127}@[1-9][0-9]{0,5}$"
+QUEUE_PATTERN = r"^[a-z][a-z0-9_.-]{0,127}$"
 CLASS_PATTERN = r"^[a-z][a-z0-9_-]{0,31}$"
 
 StageName = Annotated[str, Field(pattern=NAME_PATTERN)]
@@ -68,7 +69,7 @@ class _WorkStage(_StageBase):
     """Fields shared by stages that dispatch work to a contract (action, worker, map)."""
 
     input: dict[str, JsonValue] = Field(default_factory=dict)
-    queue: str | None = Field(None, min_length=1, max_length=128)
+    queue: str | None = Field(None, pattern=QUEUE_PATTERN)
     retry: RetryPolicy = Field(default_factory=RetryPolicy)
     queue_deadline_ms: PositiveMs | None = None
     execution_deadline_ms: PositiveMs | None = None

@@ -157,7 +157,15 @@ def load_yaml(text: str | bytes, file: str, limits: YamlLimits | None = None) ->
             [Problem(file, 1, "definition", f"file is {len(raw)} bytes, over the {limits.max_bytes} limit")]
         )
     source = SourceMap(file)
-    loader = yaml.SafeLoader(raw.decode("utf-8", errors="replace"))
+    text = raw.decode("utf-8", errors="replace")
+    try:
+        loader = yaml.SafeLoader(text)
+    except yaml.YAMLError as exc:  # the reader refuses control characters before parsing starts
+        position = getattr(exc, "position", 0) or 0
+        line = text.count("\n", 0, position) + 1
+        raise DefinitionError(
+            [Problem(file, line, "definition", f"invalid YAML: {_first_line(exc)}")]
+        ) from exc
     try:
         root = loader.get_single_node()
         if root is None:
