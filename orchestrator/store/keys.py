@@ -1,0 +1,60 @@
+"""Every Redis key name, in one place. Pure functions of a prefix and ids.
+
+All keys of one shard carry the shard's hash tag (``{fast.3}``), so a transition's keys share a slot and
+the layout runs unchanged on Redis Cluster. Shared data has tags of its own: the run-id index is tagged
+by the run id (spreads over the cluster), plans by ``{plans}``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def shard_id(shard_class: str, number: int) -> str:
+    return f"{shard_class}.{number}"
+
+
+@dataclass(frozen=True)
+class ShardKeys:
+    prefix: str
+    shard: str
+
+    @property
+    def tag(self) -> str:
+        return f"{self.prefix}:{{{self.shard}}}"
+
+    def run(self, run_id: str) -> str:
+        return f"{self.tag}:run:{run_id}"
+
+    def history(self, run_id: str) -> str:
+        return f"{self.tag}:run:{run_id}:history"
+
+    def applied(self, run_id: str) -> str:
+        return f"{self.tag}:run:{run_id}:applied"
+
+    def barrier(self, run_id: str, stage: str) -> str:
+        return f"{self.tag}:run:{run_id}:barrier:{stage}"
+
+    def outbox(self) -> str:
+        return f"{self.tag}:outbox"
+
+    def runs(self) -> str:
+        return f"{self.tag}:runs"
+
+    def transition_keys(self, run_id: str, barriers: list[str]) -> list[str]:
+        """KEYS of every transition function, in the order helpers.lua documents."""
+        fixed = [self.run(run_id), self.history(run_id), self.applied(run_id), self.outbox(), self.runs()]
+        return fixed + [self.barrier(run_id, b) for b in barriers]
+
+
+def index_key(prefix: str, run_id: str) -> str:
+    """run id -> shard, claimed with SET NX before a run is created."""
+    return f"{prefix}:index:{{{run_id}}}"
+
+
+def plan_key(prefix: str, digest: str) -> str:
+    return f"{prefix}:{{plans}}:plan:{digest}"
+
+
+def active_key(prefix: str, definition: str) -> str:
+    return f"{prefix}:{{plans}}:active:{definition}"

@@ -1,0 +1,67 @@
+-- Shared local helpers of the saga library. Functions of one library cannot call each other, so every
+-- transition uses these; no outbox or history write happens anywhere else.
+--
+-- Layout of KEYS, the same for every transition function:
+--   KEYS[1] run hash        (run fields, and stage fields as "s:<stage>:<field>", barrier counters "b:<stage>")
+--   KEYS[2] history stream
+--   KEYS[3] applied set     (ids of messages already applied to this run)
+--   KEYS[4] shard outbox    (hash: message id -> payload, present while unsent)
+--   KEYS[5] shard run index (sorted set: run id by creation time, for listing runs)
+--   KEYS[6..] the run's barrier hashes (member -> value), named by index in the spec
+-- ARGV[1] is the transition spec, JSON (see orchestrator/store/redis_store.py, _spec).
+
+local APPLIED, DUPLICATE, CONFLICT, EXISTS, NO_RUN = 0, 1, 2, 3, 4
+
+local function is_null(v)
+  return v == nil or v == cjson.null
+end
+
+local function check_expects(run, expects)
+  for _, e in ipairs(expects) do
+    local current = redis.call('HGET', run, e[1])
+    local want = e[2]
+    if is_null(want) then
+      if current then return e[1] end
+    elseif current ~= want then
+      return e[1]
+    end
+  end
+  return nil
+end
+
+local function append_history(stream, entries, at)
+  for _, h in ipairs(entries) do
+    redis.call('XADD', stream, '*', 'kind', h[1], 'stage', h[2], 'attempt', h[3], 'at', at, 'detail', h[4])
+  end
+end
+
+local function append_outbox(outbox, entries)
+  for _, o in ipairs(entries) do
+    redis.call('HSET', outbox, o[1], o[2])
+  end
+end
+
+local function apply_writes(keys, spec)
+  if #spec.sets > 0 then
+    redis.call('HSET', keys[1], unpack(spec.sets))
+  end
+  for _, b in ipairs(spec.inits) do
+    redis.call('DEL', keys[b[1]])
+    redis.call('HSET', keys[1], b[2], b[3])
+  end
+end
+
+local function finish(keys, spec)
+  if spec.expire_ms > 0 then
+    -- the listing forgets runs whose records have expired
+    redis.call('ZREMRANGEBYSCORE', keys[5], '-inf', '(' .. (spec.at - spec.expire_ms))
+    for i = 1, #keys do
+      if i ~= 4 and i ~= 5 then redis.call('PEXPIRE', keys[i], spec.expire_ms) end
+    end
+  end
+end
+
+local function record_duplicate(keys, spec, stage)
+  append_history(keys[2], {{'callback.rejected', stage or '', '', cjson.encode({reason = 'duplicate', message_id = spec.mid})}}, spec.at)
+  return {DUPLICATE, spec.mid}
+end

@@ -1,0 +1,10 @@
+-- saga_mark_sent: remove confirmed messages from the shard outbox.
+-- KEYS[1]: the shard outbox hash. ARGV: message ids that the broker confirmed.
+-- Called only after a positive publisher confirm; an entry still present after a crash is re-published
+-- by the relay (its id is deterministic, so consumers see a duplicate).
+-- Returns the number of entries removed.
+local function saga_mark_sent(keys, args)
+  if #args == 0 then return 0 end
+  return redis.call('HDEL', keys[1], unpack(args))
+end
+redis.register_function('saga_mark_sent', saga_mark_sent)

@@ -1,0 +1,26 @@
+-- saga_transition: apply one decided transition under compare-and-set.
+-- KEYS: the common layout (helpers.lua). ARGV[1]: the spec.
+-- Checks, in order and before any write: the run exists, the message was not applied before, every
+-- expected field still holds. Then writes fields, initialises barriers, appends outbox and history.
+-- Returns {0 APPLIED} | {1 DUPLICATE} | {2 CONFLICT, field} | {4 NO_RUN}.
+-- Also used for intent, finaliser progress and recording rejected (late, stale) callbacks.
+local function saga_transition(keys, args)
+  local spec = cjson.decode(args[1])
+  if redis.call('EXISTS', keys[1]) == 0 then
+    return {NO_RUN, ''}
+  end
+  if redis.call('SISMEMBER', keys[3], spec.mid) == 1 then
+    return record_duplicate(keys, spec, nil)
+  end
+  local failed = check_expects(keys[1], spec.expects)
+  if failed then
+    return {CONFLICT, failed}
+  end
+  apply_writes(keys, spec)
+  redis.call('SADD', keys[3], spec.mid)
+  append_outbox(keys[4], spec.outbox)
+  append_history(keys[2], spec.history, spec.at)
+  finish(keys, spec)
+  return {APPLIED, spec.mid}
+end
+redis.register_function('saga_transition', saga_transition)

@@ -1,0 +1,197 @@
+"""The Redis side of the orchestrator: load the ``saga`` Functions library, read run snapshots, apply
+decided transitions atomically, and keep plans and the run-id index.
+
+Decisions stay out of this module (the engine decides); it only translates. Every state change of a run
+is one FCALL. The library is loaded at start-up and again whenever Redis answers that a function is
+missing: a restarted Redis that persists nothing has lost it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
+
+from orchestrator.engine.model import Decision, RunSnapshot
+from orchestrator.errors import SagaError
+from orchestrator.store.keys import ShardKeys, active_key, index_key, plan_key
+from orchestrator.store.spec import Spec, barrier_stages, build_spec, ordered_items, snapshot_from_record
+
+LIBRARY_NAME = "saga"
+LUA_FILES = ("helpers.lua", "create.lua", "transition.lua", "arrive.lua", "mark_sent.lua")
+APPLIED, DUPLICATE, CONFLICT, EXISTS, NO_RUN = 0, 1, 2, 3, 4
+
+
+class PlanNotFound(SagaError):
+    """Raised when a run or a start names a plan digest or definition that was never published."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        super().__init__(f"no published plan for {what}; publish it with 'saga definitions publish FILE'")
+
+
+def library_source() -> str:
+    """The one Functions library, assembled from the shipped ``.lua`` files (helpers first)."""
+    folder = resources.files("orchestrator.store") / "lua"
+    parts = [f"#!lua name={LIBRARY_NAME}"]
+    parts += [(folder / name).read_text(encoding="utf-8") for name in LUA_FILES]
+    return "\n".join(parts)
+
+
+@dataclass(frozen=True)
+class ApplyResult:
+    code: int
+    detail: str
+
+    @property
+    def applied(self) -> bool:
+        return self.code == APPLIED
+
+
+@dataclass
+class RedisStore:
+    client: aioredis.Redis
+    prefix: str = "saga"
+    retention_ms: int = 7 * 86_400_000
+    _plans: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def keys(self, shard: str) -> ShardKeys:
+        return ShardKeys(self.prefix, shard)
+
+    async def load_library(self) -> None:
+        await self.client.function_load(library_source(), replace=True)
+
+    async def _fcall(self, spec: Spec, keys: list[str]) -> list[Any]:
+        args = [spec.encode()]
+        try:
+            result = await self.client.fcall(spec.function, len(keys), *keys, *args)  # type: ignore[misc]
+        except ResponseError as exc:
+            if "function not found" not in str(exc).lower():
+                raise
+            await self.load_library()  # Redis restarted without persistence: load and try once more
+            result = await self.client.fcall(spec.function, len(keys), *keys, *args)  # type: ignore[misc]
+        return list(result)
+
+    # ---- runs --------------------------------------------------------------------------------------
+
+    async def snapshot(self, shard: str, run_id: str, map_stage: str | None = None) -> RunSnapshot | None:
+        keys = self.keys(shard)
+        record = await self.client.hgetall(keys.run(run_id))  # type: ignore[misc]
+        if not record:
+            return None
+        maps: dict[str, list[Any]] = {}
+        if map_stage is not None:
+            members = await self.client.hgetall(keys.barrier(run_id, map_stage))  # type: ignore[misc]
+            maps[map_stage] = ordered_items(_text(members))
+        return snapshot_from_record(_text(record), maps)
+
+    async def apply(
+        self,
+        shard: str,
+        run_id: str,
+        message_id: str,
+        decision: Decision,
+        plan: Mapping[str, Any],
+        now_ms: int,
+    ) -> ApplyResult:
+        barriers = barrier_stages(plan)
+        spec = build_spec(
+            decision,
+            run_id=run_id,
+            message_id=message_id,
+            now_ms=now_ms,
+            barriers=barriers,
+            retention_ms=self.retention_ms,
+        )
+        code, detail = await self._fcall(spec, self.keys(shard).transition_keys(run_id, barriers))
+        return ApplyResult(int(code), _str(detail))
+
+    async def history(self, shard: str, run_id: str) -> list[dict[str, Any]]:
+        rows = await self.client.xrange(self.keys(shard).history(run_id))
+        events = []
+        for seq, (entry_id, fields) in enumerate(rows, start=1):
+            f = _text(fields)
+            event: dict[str, Any] = {
+                "seq": seq,
+                "id": _str(entry_id),
+                "at": int(f["at"]),
+                "kind": f["kind"],
+                "stage": f["stage"] or None,
+                "attempt": int(f["attempt"]) if f["attempt"] else None,
+            }
+            event.update(json.loads(f["detail"]))
+            events.append(event)
+        return events
+
+    async def run_ids(self, shard: str) -> list[str]:
+        return [_str(r) for r in await self.client.zrange(self.keys(shard).runs(), 0, -1)]
+
+    # ---- outbox ------------------------------------------------------------------------------------
+
+    async def outbox(self, shard: str) -> dict[str, dict[str, Any]]:
+        raw = await self.client.hgetall(self.keys(shard).outbox())  # type: ignore[misc]
+        return {k: json.loads(v) for k, v in _text(raw).items()}
+
+    async def mark_sent(self, shard: str, message_ids: list[str]) -> int:
+        if not message_ids:
+            return 0
+        keys = [self.keys(shard).outbox()]
+        try:
+            return int(await self.client.fcall("saga_mark_sent", 1, *keys, *message_ids))  # type: ignore[misc]
+        except ResponseError as exc:
+            if "function not found" not in str(exc).lower():
+                raise
+            await self.load_library()
+            return int(await self.client.fcall("saga_mark_sent", 1, *keys, *message_ids))  # type: ignore[misc]
+
+    # ---- index and plans ---------------------------------------------------------------------------
+
+    async def claim(self, run_id: str, shard: str) -> str:
+        """Claim ``run_id`` for ``shard``; returns the shard that owns it (another, if claimed before)."""
+        key = index_key(self.prefix, run_id)
+        if await self.client.set(key, shard, nx=True):
+            return shard
+        owner = await self.client.get(key)
+        return _str(owner) if owner is not None else shard
+
+    async def owner(self, run_id: str) -> str | None:
+        owner = await self.client.get(index_key(self.prefix, run_id))
+        return _str(owner) if owner is not None else None
+
+    async def save_plan(self, digest: str, plan: Mapping[str, Any], versions: Mapping[str, str]) -> bool:
+        """Store a plan by digest (immutable: an existing digest is left as it is)."""
+        body = json.dumps({"plan": plan, "versions": versions}, sort_keys=True, separators=(",", ":"))
+        return bool(await self.client.set(plan_key(self.prefix, digest), body, nx=True))
+
+    async def plan(self, digest: str) -> dict[str, Any]:
+        cached = self._plans.get(digest)
+        if cached is not None:
+            return cached
+        raw = await self.client.get(plan_key(self.prefix, digest))
+        if raw is None:
+            raise PlanNotFound(digest)
+        plan: dict[str, Any] = json.loads(raw)["plan"]
+        self._plans[digest] = plan  # plans are immutable: cache by digest for the process's life
+        return plan
+
+    async def activate(self, definition: str, digest: str) -> None:
+        await self.client.set(active_key(self.prefix, definition), digest)
+
+    async def active_digest(self, definition: str) -> str:
+        digest = await self.client.get(active_key(self.prefix, definition))
+        if digest is None:
+            raise PlanNotFound(f"definition {definition!r}")
+        return _str(digest)
+
+
+def _str(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _text(mapping: Mapping[Any, Any]) -> dict[str, str]:
+    return {_str(k): _str(v) for k, v in mapping.items()}

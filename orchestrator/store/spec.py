@@ -1,0 +1,155 @@
+"""Translate an engine Decision into the spec the Lua transition functions apply, and a run record back
+into the engine's snapshot. Pure: both the Redis store and the in-memory model use it.
+
+A run is one flat hash: run fields by name, stage fields as ``s:<stage>:<field>``, barrier counters as
+``b:<stage>``. Barrier members (join branches, map items with their results) live in one hash per
+barrier.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from orchestrator.engine.model import (
+    Decision,
+    HistoryEntry,
+    Intent,
+    Key,
+    Outgoing,
+    RunSnapshot,
+    RunStatus,
+    StageRecord,
+    StageStatus,
+)
+
+FIRST_BARRIER_KEY = 6  # KEYS[6..] are barrier hashes (1-based, as Lua sees them)
+
+
+def field_name(key: Key, name: str) -> str:
+    if key.kind == "run":
+        return name
+    if key.kind == "stage":
+        return f"s:{key.name}:{name}"
+    raise ValueError(f"no hash field for {key}")
+
+
+def counter_field(stage: str) -> str:
+    return f"b:{stage}"
+
+
+def barrier_stages(plan: Mapping[str, Any]) -> list[str]:
+    """The stages of a plan that own a barrier hash (joins and maps), in a stable order."""
+    return sorted(n for n, s in plan["stages"].items() if s["type"] in ("join", "map"))
+
+
+def outbox_payload(message: Outgoing, run_id: str, at_ms: int) -> str:
+    return json.dumps(
+        {
+            "id": message.message_id,
+            "kind": message.kind,
+            "route": list(message.route),
+            "body": message.body,
+            "run_id": run_id,
+            "at": at_ms,
+        },
+        separators=(",", ":"),
+        sort_keys=True,
+    )
+
+
+def history_row(entry: HistoryEntry) -> list[str]:
+    attempt = "" if entry.attempt is None else str(entry.attempt)
+    return [entry.kind, entry.stage or "", attempt, json.dumps(dict(entry.detail), sort_keys=True)]
+
+
+@dataclass(frozen=True)
+class Spec:
+    function: str  # saga_create | saga_transition | saga_arrive
+    body: dict[str, Any]
+
+    def encode(self) -> str:
+        return json.dumps(self.body, separators=(",", ":"))
+
+
+def build_spec(
+    decision: Decision,
+    *,
+    run_id: str,
+    message_id: str,
+    now_ms: int,
+    barriers: list[str],
+    retention_ms: int,
+) -> Spec:
+    index = {name: FIRST_BARRIER_KEY + i for i, name in enumerate(barriers)}
+    sets: list[str] = []
+    for write in decision.writes:
+        for name, value in write.fields.items():
+            sets += [field_name(write.key, name), value]
+    body: dict[str, Any] = {
+        "mid": message_id,
+        "run_id": run_id,
+        "at": now_ms,
+        "expects": [[field_name(e.key, e.field), e.value] for e in decision.expects],
+        "sets": sets,
+        "inits": [[index[b.key.name], counter_field(b.key.name), b.count] for b in decision.barriers],
+        "outbox": [[m.message_id, outbox_payload(m, run_id, now_ms)] for m in decision.outgoing],
+        "history": [history_row(h) for h in decision.history],
+        "expire_ms": retention_ms if decision.finished else 0,
+    }
+    if decision.arrival is not None:
+        a = decision.arrival
+        body["arrival"] = {
+            "k": index[a.key.name],
+            "stage": a.key.name,
+            "counter": counter_field(a.key.name),
+            "member": a.member,
+            "value": a.result or "",
+            "release": [a.release.message_id, outbox_payload(a.release, run_id, now_ms)],
+        }
+        return Spec("saga_arrive", body)
+    return Spec("saga_create" if decision.create else "saga_transition", body)
+
+
+def snapshot_from_record(record: Mapping[str, str], map_results: Mapping[str, list[Any]]) -> RunSnapshot:
+    """Build the engine's snapshot from the flat run hash."""
+    stage_fields: dict[str, dict[str, str]] = {}
+    for name, value in record.items():
+        if name.startswith("s:"):
+            stage, _, field = name[2:].rpartition(":")
+            stage_fields.setdefault(stage, {})[field] = value
+    stages = {
+        name: StageRecord(
+            status=StageStatus(fields["status"]),
+            attempt=int(fields.get("attempt", "1")),
+            fence=fields.get("fence", ""),
+            result=json.loads(fields["result"]) if "result" in fields else None,
+            error=fields.get("error"),
+        )
+        for name, fields in stage_fields.items()
+        if "status" in fields
+    }
+    return RunSnapshot(
+        run_id=record["run_id"],
+        shard=record["shard"],
+        digest=record["digest"],
+        status=RunStatus(record["status"]),
+        context=json.loads(record.get("context", "{}")),
+        intent=Intent(record["intent"]) if record.get("intent") else None,
+        reason=record.get("reason"),
+        epoch=int(record.get("epoch", "1")),
+        finaliser_index=int(record.get("finaliser_index", "0")),
+        finaliser_failed=record.get("finaliser_failed") == "1",
+        tenant=record.get("tenant", "default"),
+        output=json.loads(record["output"]) if "output" in record else None,
+        stages=stages,
+        map_results=map_results,
+    )
+
+
+def ordered_items(members: Mapping[str, str]) -> list[Any]:
+    """A map barrier's members (item index -> result JSON) as the list of results in item order."""
+    pairs = sorted((int(k), v) for k, v in members.items())
+    return [json.loads(v) if v else None for _, v in pairs]
