@@ -64,7 +64,7 @@ class RedisStore:
         return ShardKeys(self.prefix, shard)
 
     async def load_library(self) -> None:
-        await self.client.function_load(library_source(), replace=True)
+        await self.client.function_load(library_source(), replace=True)  # type: ignore[misc]
 
     async def _fcall(self, spec: Spec, keys: list[str]) -> list[Any]:
         args = [spec.encode()]
