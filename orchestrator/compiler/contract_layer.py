@@ -249,6 +249,7 @@ class ContractLayer:
         if ref.root == "index":
             if ref.path:
                 self.report.add(path, "index is the item's position (an integer); it has no fields")
+                return None
             return Typed({}, {"type": "integer"})
         return self._stage_reference(ref, path, scope)
 
@@ -281,8 +282,9 @@ class ContractLayer:
         if attribute != "result":
             return Typed({}, {"type": "integer" if attribute == "attempt" else "string"})
         self._require_available(name, ref, path, scope)
-        contract = self.used.get(stage.contract_ref)
-        if contract is None:
+        contract = self.registry.get(stage.contract_ref)  # not self.used: stage order carries no meaning
+        kind = ContractKind.ACTION if isinstance(stage, ActionStage) else ContractKind.WORKER
+        if contract is None or contract.kind is not kind:
             return OPEN
         result = Typed(contract.output_schema, contract.output_schema)
         rest = ref.path[2:]

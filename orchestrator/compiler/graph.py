@@ -64,8 +64,8 @@ class GraphFacts:
 
 def stage_edges(defn: Definition, index: dict[str, int]) -> list[Edge]:
     edges: list[Edge] = []
-    for stage in defn.stages:
-        base: Path = ("stages", index.get(stage.name, 0))
+    for position, stage in enumerate(defn.stages):
+        base: Path = ("stages", position)
         if isinstance(stage, DecisionStage):
             for i, branch in enumerate(stage.branches):
                 edges.append(Edge(stage.name, branch.next, "decision", (*base, "branches", i, "next")))
@@ -114,6 +114,7 @@ def _index_names(defn: Definition, facts: GraphFacts, report: Reporter) -> None:
             continue
         if stage.name in {t.value for t in Terminal}:
             report.add(("stages", i, "name"), f"{stage.name!r} is a terminal intent and cannot name a stage")
+            continue
         facts.index[stage.name] = i
     if defn.entry not in facts.index:
         report.add(("entry",), f"entry {defn.entry!r} is not a stage{_suggest(defn.entry, facts.index)}")
@@ -160,10 +161,10 @@ def _suggest(name: str, candidates: object) -> str:
 
 
 def _check_decisions(defn: Definition, facts: GraphFacts, report: Reporter) -> None:
-    for stage in defn.stages:
+    for position, stage in enumerate(defn.stages):
         if not isinstance(stage, DecisionStage):
             continue
-        base: Path = ("stages", facts.index.get(stage.name, 0), "branches")
+        base: Path = ("stages", position, "branches")
         fallbacks = [i for i, b in enumerate(stage.branches) if b.when.strip() == FALLBACK]
         last = len(stage.branches) - 1
         if not fallbacks:
@@ -269,7 +270,9 @@ def _check_forks_and_joins(defn: Definition, facts: GraphFacts, edges: list[Edge
                 "one join must wait for all its branches",
             )
             continue
-        _check_branch_regions(fork, joins[mine[0]], adjacency, facts, report)
+        _check_branch_regions(
+            fork, joins[mine[0]], adjacency, facts, report, {s.name: s for s in defn.stages}
+        )
 
 
 def _match_joins(
@@ -289,8 +292,9 @@ def _match_joins(
                 )
             else:
                 owners.add(branch_of[name])
-        if len(set(join.required)) != len(join.required):
-            report.add(base, "required lists a branch more than once")
+        for i, name in enumerate(join.required):
+            if name in join.required[:i]:
+                report.add((*base, i), f"required lists {name!r} more than once")
         if len(owners) > 1:
             report.add(
                 base,
@@ -303,7 +307,12 @@ def _match_joins(
 
 
 def _check_branch_regions(
-    fork: ForkStage, join: JoinStage, adjacency: dict[str, list[str]], facts: GraphFacts, report: Reporter
+    fork: ForkStage,
+    join: JoinStage,
+    adjacency: dict[str, list[str]],
+    facts: GraphFacts,
+    report: Reporter,
+    stages: dict[str, object],
 ) -> None:
     """Each branch must reach the join, branches must not share stages, and ``required`` must name
     exactly the branches that reach the join (which, since every branch must, is all of them; a required
@@ -312,6 +321,8 @@ def _check_branch_regions(
     reaching = set()
     join_path: Path = ("stages", facts.index[join.name], "required")
     for branch in fork.branches:
+        if branch not in facts.index or branch == join.name or isinstance(stages.get(branch), JoinStage):
+            continue  # already reported: not a stage, or a join
         region = _region(branch, join.name, adjacency)
         for stage in region - {join.name}:
             if stage in owner and owner[stage] != branch:
@@ -339,6 +350,18 @@ def _check_branch_regions(
             "missing from required",
         )
     facts.joins[join.name] = JoinInfo(fork.name, tuple(fork.branches))
+    _check_join_entries(fork, join, facts, report)
+
+
+def _check_join_entries(fork: ForkStage, join: JoinStage, facts: GraphFacts, report: Reporter) -> None:
+    """Only the stages that end a branch may route to the join: anything else would arrive as no branch."""
+    for edge in facts.edges:
+        if edge.target == join.name and edge.kind != "fork" and edge.source not in facts.arrivals:
+            report.add(
+                edge.path,
+                f"routes to join {join.name!r}, but is not on a branch of fork {fork.name!r}; "
+                "only the stages that end a branch may route to its join",
+            )
 
 
 def _region(branch: str, join: str, adjacency: dict[str, list[str]]) -> set[str]:

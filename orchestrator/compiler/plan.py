@@ -56,6 +56,7 @@ def digest_of(plan: dict[str, Any]) -> str:
 
 def build_plan(defn: Definition, facts: GraphFacts, contracts: dict[str, Contract]) -> CompiledPlan:
     data = defn.model_dump(mode="json", by_alias=True, exclude={"stages", "description"})
+    data["terminals"] = sorted(set(data["terminals"]))  # a set of intents, like acceptable_terminal_states
     stages = {stage.name: _stage(stage, facts, contracts) for stage in defn.stages}
     plan = {
         **data,

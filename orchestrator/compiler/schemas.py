@@ -17,6 +17,8 @@ _MAX_REF_HOPS = 32
 def resolve(root: Schema, node: Schema) -> Schema:
     """Follow local ``$ref``s (``#/$defs/Name``); anything else is treated as open."""
     for _ in range(_MAX_REF_HOPS):
+        if not isinstance(node, dict):  # a boolean schema: true accepts anything (false: see field)
+            return ANY
         ref = node.get("$ref")
         if not isinstance(ref, str):
             return node
@@ -50,7 +52,7 @@ def field(root: Schema, node: Schema, key: str | int) -> Schema | None:
     properties = node.get("properties")
     if isinstance(properties, dict):
         if key in properties:
-            return resolve(root, properties[key])
+            return None if properties[key] is False else resolve(root, properties[key])
         extra = node.get("additionalProperties", False)
         return resolve(root, extra) if isinstance(extra, dict) else ANY if extra is True else None
     extra = node.get("additionalProperties")

@@ -14,7 +14,16 @@ from typing import Any
 
 import jsonschema
 
-from orchestrator.dsl.expressions import Binding, Expr, compile_cel, parse_template, plain_path
+from orchestrator.dsl.expressions import (
+    Binding,
+    Expr,
+    ExpressionSyntaxError,
+    compile_cel,
+    parse_template,
+    plain_path,
+    references,
+    tokenize,
+)
 from orchestrator.errors import (
     BindingEvaluationError,
     BindingMissing,
@@ -29,7 +38,7 @@ def bind(template: Any, variables: dict[str, Any], schema: Schema | None, target
     """Resolve every ``${...}`` in ``template`` and check the result against ``schema`` (if given)."""
     value = _resolve(template, variables, target)
     if schema is not None:
-        _check(value, schema, target)
+        _check(value, schema, target, template)
     return value
 
 
@@ -66,14 +75,29 @@ def evaluate(src: str, variables: dict[str, Any], target: str) -> Any:
         return _walk(src, ref.root, ref.path, variables, target)
     try:
         return compile_cel(src).execute(variables)
-    except (KeyError, IndexError) as exc:
-        raise BindingMissing(target, src, f"a referenced value does not exist ({exc})") from exc
-    except TypeError as exc:
-        raise BindingWrongType(target, src, f"{str(exc).splitlines()[0][:160]}") from exc
-    except RuntimeError as exc:
-        raise BindingMissing(target, src, str(exc).split(".")[0]) from exc
     except Exception as exc:  # CEL raises ValueError, ZeroDivisionError, ...; all are this expression's fault
+        _diagnose(src, variables, target, exc)
+        if isinstance(exc, KeyError | IndexError):
+            raise BindingMissing(target, src, f"a referenced value does not exist ({exc})") from exc
+        if isinstance(exc, TypeError):
+            raise BindingWrongType(target, src, f"{str(exc).splitlines()[0][:160]}") from exc
+        if isinstance(exc, RuntimeError) and str(exc).startswith("Undefined variable"):
+            raise BindingMissing(target, src, str(exc).split(".")[0]) from exc
         raise BindingEvaluationError(target, src, f"{type(exc).__name__}: {exc}") from exc
+
+
+def _diagnose(src: str, variables: dict[str, Any], target: str, exc: Exception) -> None:
+    """CEL's errors do not say which operand was missing or null: walk the expression's plain
+    references and raise BindingMissing / BindingNull / BindingWrongType for the first that is."""
+    try:
+        refs = references(tokenize(src), frozenset(variables))
+    except ExpressionSyntaxError:
+        return
+    for ref in refs:
+        if ref.guarded:
+            continue
+        if _walk(src, ref.root, ref.path, variables, target) is None:
+            raise BindingNull(target, src, f"{ref.render()} is null") from exc
 
 
 def _walk(src: str, root: str, path: tuple[str | int, ...], variables: dict[str, Any], target: str) -> Any:
@@ -100,15 +124,31 @@ def _walk(src: str, root: str, path: tuple[str | int, ...], variables: dict[str,
     return value
 
 
-def _check(value: Any, schema: Schema, target: str) -> None:
+def _check(value: Any, schema: Schema, target: str, template: Any) -> None:
     validator = jsonschema.Draft202012Validator(schema)
     for error in sorted(validator.iter_errors(value), key=lambda e: list(e.absolute_path)):
         where = target + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error.absolute_path)
+        src = _source_at(template, list(error.absolute_path))
         if error.instance is None:
-            raise BindingNull(where, "", "is null, but the contract requires a value")
+            raise BindingNull(where, src, "is null, but the contract requires a value")
         if error.validator == "required":
-            raise BindingMissing(where, "", error.message)
-        raise BindingWrongType(where, "", error.message)
+            raise BindingMissing(where, src, error.message)
+        raise BindingWrongType(where, src, error.message)
+
+
+def _source_at(template: Any, path: list[Any]) -> str:
+    """The expression that produced the value at ``path`` (a whole ``${...}``), or "" for a literal."""
+    node = template
+    for key in path:
+        if isinstance(node, str):
+            break
+        if isinstance(node, dict | list) and (key in node if isinstance(node, dict) else key < len(node)):
+            node = node[key]
+        else:
+            return ""
+    parsed = parse_template(node) if isinstance(node, str) else None
+    whole = parsed.whole if isinstance(parsed, Binding) else None
+    return whole.source if whole else ""
 
 
 def _json_type(value: Any) -> str:

@@ -152,7 +152,16 @@ def macro_variables(tokens: list[Token]) -> set[str]:
 
 def references(tokens: list[Token], roots: frozenset[str]) -> list[Reference]:
     """Every selection chain that starts at one of ``roots`` (not itself a field or a call)."""
-    guarded = any(t.kind == "ident" and t.text == "has" for t in tokens)
+    # A read is guarded only by a has(...) on the same root and the same first two selectors
+    # (for stages: the same stage's result), not by a has(...) anywhere in the expression.
+    guards = {
+        (tokens[i + 2].text, _selectors(tokens, i + 3)[:2])
+        for i in range(len(tokens) - 2)
+        if tokens[i].kind == "ident"
+        and tokens[i].text == "has"
+        and tokens[i + 1].text == "("
+        and tokens[i + 2].kind == "ident"
+    }
     refs = []
     for i, tok in enumerate(tokens):
         if tok.kind != "ident" or tok.text not in roots:
@@ -161,7 +170,8 @@ def references(tokens: list[Token], roots: frozenset[str]) -> list[Reference]:
             continue  # a field named like a root: a.context
         if i + 1 < len(tokens) and tokens[i + 1].text == "(":
             continue  # a call, not a variable
-        refs.append(Reference(tok.text, _selectors(tokens, i + 1), guarded))
+        path = _selectors(tokens, i + 1)
+        refs.append(Reference(tok.text, path, (tok.text, path[:2]) in guards))
     return refs
 
 

@@ -10,6 +10,7 @@ The result is plain data plus a :class:`SourceMap` from paths (tuples of keys an
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,10 +56,11 @@ _PLAIN_COLLECTION_TAGS = frozenset({"tag:yaml.org,2002:map", "tag:yaml.org,2002:
 
 
 class _LimitExceeded(Exception):
-    def __init__(self, message: str, line: int) -> None:
+    def __init__(self, message: str, line: int, path: Path = ()) -> None:
         super().__init__(message)
         self.message = message
         self.line = line
+        self.path = path
 
 
 class _Expander:
@@ -78,15 +80,19 @@ class _Expander:
         self._count(node, depth, line)
         self._source.lines.setdefault(path, key_line or line)
         if isinstance(node, yaml.CollectionNode) and node.tag not in _PLAIN_COLLECTION_TAGS:
-            raise _LimitExceeded(f"tag {node.tag!r} is not allowed in a definition", line)
+            raise _LimitExceeded(f"tag {node.tag!r} is not allowed in a definition", line, path)
         if isinstance(node, yaml.MappingNode):
             return self._mapping(node, path, depth)
         if isinstance(node, yaml.SequenceNode):
             return [self.expand(item, (*path, i), depth + 1) for i, item in enumerate(node.value)]
         try:
-            return self._loader.construct_object(node, deep=True)
+            value = self._loader.construct_object(node, deep=True)
         except yaml.YAMLError as exc:
-            raise _LimitExceeded(f"cannot read value: {_first_line(exc)}", line) from exc
+            raise _LimitExceeded(f"cannot read value: {_first_line(exc)}", line, path) from exc
+        if isinstance(value, float) and not math.isfinite(value):  # JSON (and the plan) has no NaN/inf
+            message = f"{node.value} is not a JSON number; write a finite number, or quote it for a string"
+            self.problems.append(Problem(self._source.file, line, render_path(path), message))
+        return value
 
     def _count(self, node: yaml.Node, depth: int, line: int) -> None:
         if id(node) in self._seen and isinstance(node, yaml.CollectionNode):
@@ -119,9 +125,12 @@ class _Expander:
             raise _LimitExceeded(f"cannot read key: {_first_line(exc)}", line) from exc
 
     def _mapping(self, node: yaml.MappingNode, path: Path, depth: int) -> dict[str, Any]:
+        explicit = sum(1 for key, _ in node.value if key.tag != "tag:yaml.org,2002:merge")
         self._loader.flatten_mapping(node)  # resolves YAML merge keys (<<) the safe way
+        merged = len(node.value) - explicit  # flatten_mapping puts the merged pairs first
         result: dict[str, Any] = {}
-        for key_node, value_node in node.value:
+        written: set[str] = set()
+        for index, (key_node, value_node) in enumerate(node.value):
             key_line = key_node.start_mark.line + 1
             key = self._key(key_node, depth + 1)
             if not isinstance(key, str):
@@ -129,7 +138,7 @@ class _Expander:
                     Problem(self._source.file, key_line, render_path(path), f"key {key!r} must be a string")
                 )
                 continue
-            if key in result:
+            if key in written:
                 first = self._source.lines.get((*path, key), key_line)
                 self.problems.append(
                     Problem(
@@ -140,12 +149,37 @@ class _Expander:
                     )
                 )
                 continue
+            if key in result:  # an explicit key overrides a merged one: forget the merged value's lines
+                prefix = (*path, key)
+                for stale in [p for p in self._source.lines if p[: len(prefix)] == prefix]:
+                    del self._source.lines[stale]
+            if index >= merged:
+                written.add(key)
             result[key] = self.expand(value_node, (*path, key), depth + 1, key_line)
         return result
 
 
 def _first_line(exc: BaseException) -> str:
     return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+
+
+def _check_depth(text: str, limits: YamlLimits) -> None:
+    """Apply the depth limit to the (iterative) event stream, before PyYAML's recursive composer
+    sees the document: a few kilobytes of brackets would otherwise raise RecursionError."""
+    open_collections = 0
+    probe = yaml.SafeLoader(text)
+    try:
+        while probe.check_event():
+            event = probe.get_event()  # type: ignore[no-untyped-call]
+            if isinstance(event, yaml.NodeEvent) and open_collections > limits.max_depth:
+                line = event.start_mark.line + 1 if event.start_mark else 1
+                raise _LimitExceeded(f"nesting deeper than {limits.max_depth} levels", line)
+            if isinstance(event, yaml.CollectionStartEvent):
+                open_collections += 1
+            elif isinstance(event, yaml.CollectionEndEvent):
+                open_collections -= 1
+    finally:
+        probe.dispose()
 
 
 def load_yaml(text: str | bytes, file: str, limits: YamlLimits | None = None) -> LoadedDocument:
@@ -167,6 +201,7 @@ def load_yaml(text: str | bytes, file: str, limits: YamlLimits | None = None) ->
             [Problem(file, line, "definition", f"invalid YAML: {_first_line(exc)}")]
         ) from exc
     try:
+        _check_depth(text, limits)
         root = loader.get_single_node()
         if root is None:
             raise DefinitionError([Problem(file, 1, "definition", "file is empty; expected a definition")])
@@ -176,11 +211,13 @@ def load_yaml(text: str | bytes, file: str, limits: YamlLimits | None = None) ->
         mark = exc.problem_mark or exc.context_mark
         line = mark.line + 1 if mark else 1
         problem = exc.problem or _first_line(exc)
+        if exc.context and problem.startswith("but "):
+            problem = f"{exc.context} {problem}"
         raise DefinitionError([Problem(file, line, "definition", f"invalid YAML: {problem}")]) from exc
     except yaml.YAMLError as exc:
         raise DefinitionError([Problem(file, 1, "definition", f"invalid YAML: {_first_line(exc)}")]) from exc
     except _LimitExceeded as exc:
-        raise DefinitionError([Problem(file, exc.line, "definition", exc.message)]) from exc
+        raise DefinitionError([Problem(file, exc.line, render_path(exc.path), exc.message)]) from exc
     finally:
         loader.dispose()
     if expander.problems:
