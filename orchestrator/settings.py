@@ -39,12 +39,30 @@ class Settings(BaseSettings):
     max_expression_depth: int = 16
     max_definition_bytes: int = 1_048_576
 
-    @field_validator("contracts", "shard_classes", mode="before")
+    # ---- runtime -----------------------------------------------------------------------------------
+    amqp_url: str = "amqp://guest:guest@127.0.0.1:5672/"
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    key_prefix: str = Field("saga", description="prefix of every Redis key (tests use their own)")
+    shard_count: int = Field(4, ge=1, le=256, description="shard queues per shard class")
+    shard_prefetch: int = Field(64, ge=1, le=1000, description="unacked deliveries per shard consumer")
+    delivery_limit: int = Field(20, ge=2, description="x-delivery-limit of shard queues")
+    amqp_heartbeat_s: int = Field(5, ge=1, description="short, so a standby takes over in seconds")
+    signing_keys: Annotated[tuple[str, ...], NoDecode] = Field(
+        ("dev:saga-development-signing-key",),
+        description="id:secret pairs, comma-separated; the first signs, all verify (rotation)",
+    )
+    max_message_bytes: int = Field(1_048_576, ge=1024)
+    retention_ms: int = Field(7 * 86_400_000, ge=1000, description="how long finished runs are kept")
+    crash_points: Annotated[tuple[str, ...], NoDecode] = Field(
+        (), description="fault injection for tests only: kill -9 this process at these named points"
+    )
+
+    @field_validator("contracts", "shard_classes", "signing_keys", "crash_points", mode="before")
     @classmethod
     def _comma_separated(cls, value: object) -> object:
         return _split(value)
 
-    @field_validator("contracts", "shard_classes")
+    @field_validator("contracts", "shard_classes", "signing_keys")
     @classmethod
     def _not_empty(cls, value: tuple[str, ...]) -> tuple[str, ...]:
         if not value:

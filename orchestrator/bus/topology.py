@@ -1,0 +1,331 @@
+"""The broker topology as one pure function of settings (DESIGN section 4).
+
+:func:`build_topology` says which exchanges, queues and bindings exist; :func:`apply_topology` declares
+them on a live broker (``saga topology apply``) and :func:`to_definitions` writes them in RabbitMQ's
+definitions.json format (``saga topology export``), so a broker can also be provisioned from a file at boot.
+
+Every queue is a durable quorum queue. Applying is idempotent and additive: it never deletes or unbinds, so
+scaling shards down (stop binding new starts to a shard, let it drain) is an operator's step, not this one.
+RabbitMQ refuses to redeclare a queue with different arguments (``PRECONDITION_FAILED``): changing, say, the
+delivery limit of existing queues needs a policy or a delete-and-redeclare, not a new ``apply``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
+
+from orchestrator.bus.names import (
+    ACTION_TASKS,
+    BUILTIN_TASK_QUEUES,
+    DEAD_LETTER_EXCHANGE,
+    EVENTS_EXCHANGE,
+    PARALLEL_TASKS,
+    REJECTED_QUEUE,
+    RUNS_EXCHANGE,
+    SERIAL_TASKS,
+    TASKS_EXCHANGE,
+    dead_letter_queue,
+    shard_id,
+    shard_queue,
+    start_exchange,
+)
+
+if TYPE_CHECKING:
+    import aio_pika.abc
+    from pamqp.common import FieldTable
+
+    from orchestrator.contracts import Registry
+    from orchestrator.settings import Settings
+
+ArgumentValue = str | int | bool
+Arguments = Mapping[str, ArgumentValue]
+
+DIRECT = "direct"
+TOPIC = "topic"
+CONSISTENT_HASH = "x-consistent-hash"
+#: The routing key of a binding to an x-consistent-hash exchange is the queue's weight on the hash ring.
+HASH_WEIGHT = "1"
+
+_RESERVED_PREFIXES = ("orch.", "saga.", "amq.")
+_RESERVED_SUFFIX = ".dlq"
+
+
+def _frozen(arguments: Mapping[str, ArgumentValue] | None = None) -> Arguments:
+    return MappingProxyType(dict(arguments or {}))
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """A durable exchange; ``type`` is ``direct``, ``topic`` or ``x-consistent-hash``."""
+
+    name: str
+    type: str
+    arguments: Arguments = field(default_factory=_frozen, hash=False)
+
+
+@dataclass(frozen=True)
+class Queue:
+    """A durable queue (always a quorum queue here: ``x-queue-type`` is in its arguments)."""
+
+    name: str
+    arguments: Arguments = field(default_factory=_frozen, hash=False)
+
+
+@dataclass(frozen=True)
+class Binding:
+    """Exchange ``source`` routes to queue ``destination`` with ``routing_key``."""
+
+    source: str
+    destination: str
+    routing_key: str
+    arguments: Arguments = field(default_factory=_frozen, hash=False)
+
+
+@dataclass(frozen=True)
+class Topology:
+    exchanges: tuple[Exchange, ...]
+    queues: tuple[Queue, ...]
+    bindings: tuple[Binding, ...]
+
+    def exchange(self, name: str) -> Exchange:
+        for exchange in self.exchanges:
+            if exchange.name == name:
+                return exchange
+        raise KeyError(f"no exchange {name!r} in the topology")
+
+    def queue(self, name: str) -> Queue:
+        for queue in self.queues:
+            if queue.name == name:
+                return queue
+        raise KeyError(f"no queue {name!r} in the topology")
+
+    def bindings_to(self, queue: str) -> list[Binding]:
+        return [b for b in self.bindings if b.destination == queue]
+
+    def summary(self) -> str:
+        return f"{len(self.exchanges)} exchanges, {len(self.queues)} queues, {len(self.bindings)} bindings"
+
+
+# ---- the pure function -----------------------------------------------------------------------------------
+
+
+def _dead_lettered(queue: str, extra: Mapping[str, ArgumentValue] | None = None) -> Queue:
+    """A quorum queue whose refused/expired/over-limit messages go to ``<queue>.dlq`` through saga.dlx.
+
+    at-least-once dead-lettering needs ``x-overflow: reject-publish`` (RabbitMQ falls back to at-most-once
+    otherwise) and, on 3.10, the ``stream_queue`` feature flag."""
+    return Queue(
+        queue,
+        _frozen(
+            {
+                "x-queue-type": "quorum",
+                **(extra or {}),
+                "x-dead-letter-exchange": DEAD_LETTER_EXCHANGE,
+                "x-dead-letter-routing-key": dead_letter_queue(queue),
+                "x-dead-letter-strategy": "at-least-once",
+                "x-overflow": "reject-publish",
+            }
+        ),
+    )
+
+
+def _plain(queue: str) -> Queue:
+    return Queue(queue, _frozen({"x-queue-type": "quorum"}))
+
+
+def _check_task_queue(name: str) -> None:
+    if name.startswith(_RESERVED_PREFIXES) or name.endswith(_RESERVED_SUFFIX):
+        raise ValueError(
+            f"task queue {name!r} uses a reserved name: names starting with "
+            f"{', '.join(_RESERVED_PREFIXES)} or ending with {_RESERVED_SUFFIX} belong to the orchestrator"
+        )
+
+
+def _check_settings(
+    shard_classes: tuple[str, ...], shard_count: int, delivery_limit: int, extra: list[str]
+) -> None:
+    if not shard_classes:
+        raise ValueError("at least one shard class is needed")
+    if len(set(shard_classes)) != len(shard_classes):
+        raise ValueError(f"shard classes are listed twice: {', '.join(shard_classes)}")
+    if shard_count < 1:
+        raise ValueError(f"shard count must be at least 1, got {shard_count}")
+    if delivery_limit < 1:
+        raise ValueError(f"delivery limit must be at least 1, got {delivery_limit}")
+    for name in extra:
+        _check_task_queue(name)
+
+
+def build_topology(
+    shard_classes: tuple[str, ...], shard_count: int, task_queues: Iterable[str], delivery_limit: int
+) -> Topology:
+    """Every exchange, queue and binding the orchestrator and its workers use. Pure and deterministic.
+
+    Raises ValueError for settings no broker layout can satisfy (no classes, duplicate classes, a shard count
+    or delivery limit below 1, a contract queue with an orchestrator-reserved name)."""
+    extra = sorted(set(task_queues) - set(BUILTIN_TASK_QUEUES))
+    _check_settings(shard_classes, shard_count, delivery_limit, extra)
+
+    exchanges: list[Exchange] = [
+        Exchange(RUNS_EXCHANGE, DIRECT),
+        Exchange(TASKS_EXCHANGE, DIRECT),
+        Exchange(EVENTS_EXCHANGE, TOPIC),
+        Exchange(DEAD_LETTER_EXCHANGE, DIRECT),
+    ]
+    queues: list[Queue] = []
+    bindings: list[Binding] = []
+    dead_lettered: list[str] = []
+
+    for shard_class in shard_classes:
+        exchange = start_exchange(shard_class)
+        exchanges.append(Exchange(exchange, CONSISTENT_HASH))
+        for number in range(shard_count):
+            shard = shard_id(shard_class, number)
+            name = shard_queue(shard)
+            queues.append(
+                _dead_lettered(name, {"x-single-active-consumer": True, "x-delivery-limit": delivery_limit})
+            )
+            bindings.append(Binding(exchange, name, HASH_WEIGHT))
+            bindings.append(Binding(RUNS_EXCHANGE, name, shard))
+            dead_lettered.append(name)
+
+    for name in (SERIAL_TASKS, PARALLEL_TASKS, ACTION_TASKS, *extra):
+        # a poison task (one that kills its worker every time) reaches the DLQ after the delivery limit
+        arguments: dict[str, ArgumentValue] = {"x-delivery-limit": delivery_limit}
+        if name == SERIAL_TASKS:
+            arguments["x-single-active-consumer"] = True
+        queues.append(_dead_lettered(name, arguments))
+        bindings.append(Binding(TASKS_EXCHANGE, name, name))
+        dead_lettered.append(name)
+
+    queues.append(_plain(REJECTED_QUEUE))
+    for name in dead_lettered:
+        dlq = dead_letter_queue(name)
+        queues.append(_plain(dlq))
+        bindings.append(Binding(DEAD_LETTER_EXCHANGE, dlq, dlq))
+
+    return Topology(tuple(exchanges), tuple(queues), tuple(bindings))
+
+
+def task_queues_of(registry: Registry) -> list[str]:
+    """The queues the registry's contracts name by default (built-in ones included)."""
+    return sorted({contract.queue for contract in registry.contracts()})
+
+
+def topology_for(settings: Settings, registry: Registry) -> Topology:
+    return build_topology(
+        settings.shard_classes, settings.shard_count, task_queues_of(registry), settings.delivery_limit
+    )
+
+
+# ---- definitions.json ------------------------------------------------------------------------------------
+
+
+def _natural(name: str) -> tuple[tuple[int, int | str], ...]:
+    """``orch.fast.2`` sorts before ``orch.fast.10``."""
+    return tuple((0, int(p)) if p.isdigit() else (1, p) for p in re.split(r"(\d+)", name) if p)
+
+
+def to_definitions(
+    topology: Topology, vhost: str = "/", users: Sequence[tuple[str, str]] = ()
+) -> dict[str, Any]:
+    """The topology in RabbitMQ's definitions format (``load_definitions`` / ``rabbitmqctl
+    import_definitions``), in a stable order.
+
+    ``users`` are (name, password) pairs given administrator tags and full permissions on ``vhost``: a node
+    that loads definitions at boot does not create ``default_user``/``default_vhost`` from rabbitmq.conf, so
+    a file meant for boot must carry its own vhost and users."""
+    out: dict[str, Any] = {
+        "vhosts": [{"name": vhost}],
+        "exchanges": [
+            {
+                "name": e.name,
+                "vhost": vhost,
+                "type": e.type,
+                "durable": True,
+                "auto_delete": False,
+                "internal": False,
+                "arguments": dict(e.arguments),
+            }
+            for e in sorted(topology.exchanges, key=lambda e: _natural(e.name))
+        ],
+        "queues": [
+            {
+                "name": q.name,
+                "vhost": vhost,
+                "durable": True,
+                "auto_delete": False,
+                "arguments": dict(q.arguments),
+            }
+            for q in sorted(topology.queues, key=lambda q: _natural(q.name))
+        ],
+        "bindings": [
+            {
+                "source": b.source,
+                "vhost": vhost,
+                "destination": b.destination,
+                "destination_type": "queue",
+                "routing_key": b.routing_key,
+                "arguments": dict(b.arguments),
+            }
+            for b in sorted(
+                topology.bindings,
+                key=lambda b: (_natural(b.source), _natural(b.destination), _natural(b.routing_key)),
+            )
+        ],
+    }
+    if users:
+        out["users"] = [
+            {"name": name, "password": password, "tags": "administrator"} for name, password in sorted(users)
+        ]
+        out["permissions"] = [
+            {"user": name, "vhost": vhost, "configure": ".*", "write": ".*", "read": ".*"}
+            for name, _ in sorted(users)
+        ]
+    return out
+
+
+# ---- applying to a live broker ---------------------------------------------------------------------------
+
+
+def _table(arguments: Arguments) -> FieldTable:
+    return dict(arguments)
+
+
+async def apply_topology(channel: aio_pika.abc.AbstractChannel, topology: Topology) -> None:
+    """Declare every exchange, queue and binding (durable; idempotent while arguments are unchanged).
+
+    Raises aiormq's ``ChannelPreconditionFailed`` when something exists with other arguments or type."""
+    exchanges: dict[str, aio_pika.abc.AbstractExchange] = {}
+    for exchange in topology.exchanges:
+        exchanges[exchange.name] = await channel.declare_exchange(
+            exchange.name, exchange.type, durable=True, arguments=_table(exchange.arguments)
+        )
+    queues: dict[str, aio_pika.abc.AbstractQueue] = {}
+    for queue in topology.queues:
+        queues[queue.name] = await channel.declare_queue(
+            queue.name, durable=True, arguments=_table(queue.arguments)
+        )
+    for binding in topology.bindings:
+        await queues[binding.destination].bind(
+            exchanges[binding.source], binding.routing_key, arguments=_table(binding.arguments)
+        )
+
+
+__all__ = [
+    "CONSISTENT_HASH",
+    "HASH_WEIGHT",
+    "Binding",
+    "Exchange",
+    "Queue",
+    "Topology",
+    "apply_topology",
+    "build_topology",
+    "task_queues_of",
+    "to_definitions",
+    "topology_for",
+]

@@ -1,0 +1,336 @@
+"""The broker topology is one pure function of settings (DESIGN section 4); rabbitmq/definitions.json is its
+export and must stay in sync with it."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from orchestrator.bus.names import (
+    DEAD_LETTER_EXCHANGE,
+    EVENTS_EXCHANGE,
+    REJECTED_QUEUE,
+    RUNS_EXCHANGE,
+    TASKS_EXCHANGE,
+)
+from orchestrator.bus.topology import (
+    Binding,
+    Queue,
+    Topology,
+    build_topology,
+    task_queues_of,
+    to_definitions,
+    topology_for,
+)
+from orchestrator.cli import main
+from orchestrator.contracts import Registry
+from orchestrator.settings import Settings
+
+ROOT = Path(__file__).resolve().parents[2]
+DEFINITIONS_FILE = ROOT / "rabbitmq" / "definitions.json"
+#: The compose broker loads the file at boot, which skips rabbitmq.conf's default_user: the file carries it.
+COMPOSE_USERS = [("saga", "saga-dev-password")]
+REGENERATE = "saga topology export --user saga:saga-dev-password --output rabbitmq/definitions.json"
+
+TASK_QUEUES = ["tasks.serial", "tasks.parallel", "tasks.actions"]
+NAMED_QUEUES = ["analysis", "metadata", "rendering"]  # declared by workers.demo contracts
+SHARDS = [f"orch.{c}.{n}" for c in ("fast", "slow") for n in range(4)]
+
+
+@pytest.fixture(autouse=True)
+def _default_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Settings() here means the defaults, whatever SAGA_* the shell running the tests exports."""
+    for key in list(os.environ):
+        if key.startswith("SAGA_"):
+            monkeypatch.delenv(key)
+
+
+@pytest.fixture(scope="module")
+def topo(registry: Registry) -> Topology:
+    return build_topology(("fast", "slow"), 4, task_queues_of(registry), 20)
+
+
+def _names(queues: tuple[Queue, ...]) -> list[str]:
+    return [q.name for q in queues]
+
+
+# ---- exchanges ---------------------------------------------------------------------------------------------
+
+
+def test_exchanges_and_types(topo: Topology) -> None:
+    assert {e.name: e.type for e in topo.exchanges} == {
+        RUNS_EXCHANGE: "direct",
+        TASKS_EXCHANGE: "direct",
+        EVENTS_EXCHANGE: "topic",
+        DEAD_LETTER_EXCHANGE: "direct",
+        "saga.start.fast": "x-consistent-hash",
+        "saga.start.slow": "x-consistent-hash",
+    }
+    assert all(dict(e.arguments) == {} for e in topo.exchanges)
+
+
+# ---- shard queues ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", SHARDS)
+def test_shard_queue_arguments(topo: Topology, name: str) -> None:
+    assert dict(topo.queue(name).arguments) == {
+        "x-queue-type": "quorum",
+        "x-single-active-consumer": True,
+        "x-delivery-limit": 20,
+        "x-dead-letter-exchange": "saga.dlx",
+        "x-dead-letter-routing-key": f"{name}.dlq",
+        "x-dead-letter-strategy": "at-least-once",
+        "x-overflow": "reject-publish",
+    }
+
+
+@pytest.mark.parametrize("name", SHARDS)
+def test_shard_queue_bindings(topo: Topology, name: str) -> None:
+    _, shard_class, number = name.split(".")
+    assert set(topo.bindings_to(name)) == {
+        Binding(f"saga.start.{shard_class}", name, "1"),  # consistent-hash weight
+        Binding(RUNS_EXCHANGE, name, f"{shard_class}.{number}"),
+    }
+
+
+def test_shard_count_and_delivery_limit_come_from_the_arguments() -> None:
+    topo = build_topology(("fast",), 12, [], 7)
+    shards = [q for q in topo.queues if q.name.startswith("orch.") and not q.name.endswith(".dlq")]
+    assert _names(tuple(shards)) == [f"orch.fast.{n}" for n in range(12)]
+    assert {q.arguments["x-delivery-limit"] for q in shards} == {7}
+    assert "saga.start.slow" not in {e.name for e in topo.exchanges}
+
+
+# ---- task queues -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", TASK_QUEUES + NAMED_QUEUES)
+def test_task_queue_arguments_and_binding(topo: Topology, name: str) -> None:
+    expected: dict[str, object] = {
+        "x-queue-type": "quorum",
+        "x-dead-letter-exchange": "saga.dlx",
+        "x-dead-letter-routing-key": f"{name}.dlq",
+        "x-dead-letter-strategy": "at-least-once",
+        "x-overflow": "reject-publish",
+        "x-delivery-limit": 20,  # a poison task reaches its DLQ instead of looping forever
+    }
+    if name == "tasks.serial":
+        expected["x-single-active-consumer"] = True
+    assert dict(topo.queue(name).arguments) == expected
+    assert topo.bindings_to(name) == [Binding(TASKS_EXCHANGE, name, name)]
+
+
+def test_single_active_consumer_only_on_tasks_serial_among_task_queues(topo: Topology) -> None:
+    task_queues = {b.destination for b in topo.bindings if b.source == TASKS_EXCHANGE}
+    assert task_queues == set(TASK_QUEUES + NAMED_QUEUES)
+    sac = {n for n in task_queues if topo.queue(n).arguments.get("x-single-active-consumer")}
+    assert sac == {"tasks.serial"}
+
+
+def test_named_queues_from_contracts_are_present(registry: Registry, topo: Topology) -> None:
+    contract_queues = {c.queue for c in registry.contracts()}
+    assert set(NAMED_QUEUES) <= contract_queues
+    assert contract_queues <= set(_names(topo.queues))
+
+
+def test_task_queues_are_deduplicated_and_sorted() -> None:
+    topo = build_topology(("fast",), 1, ["zeta", "alpha", "zeta", "tasks.serial", "tasks.actions"], 20)
+    task_queues = [b.destination for b in topo.bindings if b.source == TASKS_EXCHANGE]
+    assert task_queues == ["tasks.serial", "tasks.parallel", "tasks.actions", "alpha", "zeta"]
+
+
+def test_builtin_task_queues_exist_without_any_contract() -> None:
+    topo = build_topology(("fast",), 1, [], 20)
+    assert [b.destination for b in topo.bindings if b.source == TASKS_EXCHANGE] == TASK_QUEUES
+
+
+@pytest.mark.parametrize("name", ["orch.fast.9", "saga.rejected", "saga.anything", "rendering.dlq", "amq.x"])
+def test_task_queues_with_reserved_names_are_refused(name: str) -> None:
+    with pytest.raises(ValueError, match=f"task queue '{name}' uses a reserved name"):
+        build_topology(("fast",), 4, [name], 20)
+
+
+@pytest.mark.parametrize(
+    ("classes", "count", "limit", "message"),
+    [
+        ((), 4, 20, "at least one shard class"),
+        (("fast", "fast"), 4, 20, "listed twice"),
+        (("fast",), 0, 20, "shard count must be at least 1"),
+        (("fast",), 4, 0, "delivery limit must be at least 1"),
+    ],
+)
+def test_impossible_settings_are_refused(
+    classes: tuple[str, ...], count: int, limit: int, message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        build_topology(classes, count, [], limit)
+
+
+# ---- dead letters and saga.rejected ------------------------------------------------------------------------
+
+
+def test_every_queue_has_its_dead_letter_queue(topo: Topology) -> None:
+    names = set(_names(topo.queues))
+    primaries = {n for n in names if not n.endswith(".dlq") and n != REJECTED_QUEUE}
+    assert primaries == set(SHARDS + TASK_QUEUES + NAMED_QUEUES)
+    assert {n for n in names if n.endswith(".dlq")} == {f"{n}.dlq" for n in primaries}
+    for name in primaries:
+        args = topo.queue(name).arguments
+        assert args["x-dead-letter-exchange"] == DEAD_LETTER_EXCHANGE
+        dlq = args["x-dead-letter-routing-key"]
+        assert topo.bindings_to(str(dlq)) == [Binding(DEAD_LETTER_EXCHANGE, f"{name}.dlq", f"{name}.dlq")]
+
+
+def test_dead_letter_queues_and_rejected_are_plain_quorum_queues(topo: Topology) -> None:
+    plain = [q for q in topo.queues if q.name.endswith(".dlq") or q.name == REJECTED_QUEUE]
+    assert len(plain) == len(SHARDS + TASK_QUEUES + NAMED_QUEUES) + 1
+    for queue in plain:
+        assert dict(queue.arguments) == {"x-queue-type": "quorum"}, queue.name
+    assert topo.bindings_to(REJECTED_QUEUE) == []  # published through the default exchange
+
+
+def test_every_binding_joins_a_declared_exchange_and_queue(topo: Topology) -> None:
+    exchanges = {e.name for e in topo.exchanges}
+    queues = set(_names(topo.queues))
+    assert len(queues) == len(topo.queues)  # no queue declared twice
+    for binding in topo.bindings:
+        assert binding.source in exchanges
+        assert binding.destination in queues
+    assert len(set(topo.bindings)) == len(topo.bindings)
+
+
+# ---- purity, determinism, settings -------------------------------------------------------------------------
+
+
+def test_deterministic(registry: Registry) -> None:
+    queues = task_queues_of(registry)
+    first = build_topology(("fast", "slow"), 4, queues, 20)
+    again = build_topology(("fast", "slow"), 4, list(reversed(queues)) + queues, 20)
+    assert first == again
+    assert json.dumps(to_definitions(first)) == json.dumps(to_definitions(again))
+
+
+def test_values_are_immutable(topo: Topology) -> None:
+    queue = topo.queue("orch.fast.0")
+    with pytest.raises(TypeError):
+        queue.arguments["x-delivery-limit"] = 1  # type: ignore[index]
+    assert hash(queue) == hash(topo.queue("orch.fast.0"))
+
+
+def test_topology_for_reads_settings_and_registry(registry: Registry) -> None:
+    settings = Settings(shard_classes=("fast",), shard_count=2, delivery_limit=5)
+    topo = topology_for(settings, registry)
+    assert topo == build_topology(("fast",), 2, sorted({c.queue for c in registry.contracts()}), 5)
+    assert topo.queue("orch.fast.1").arguments["x-delivery-limit"] == 5
+
+
+# ---- definitions.json --------------------------------------------------------------------------------------
+
+
+def test_definitions_format(topo: Topology) -> None:
+    defs = to_definitions(topo, vhost="v1")
+    assert set(defs) == {"vhosts", "exchanges", "queues", "bindings"}
+    assert defs["vhosts"] == [{"name": "v1"}]
+    assert len(defs["exchanges"]) == len(topo.exchanges)
+    assert len(defs["queues"]) == len(topo.queues)
+    assert len(defs["bindings"]) == len(topo.bindings)
+    for exchange in defs["exchanges"]:
+        assert exchange["vhost"] == "v1"
+        assert (exchange["durable"], exchange["auto_delete"], exchange["internal"]) == (True, False, False)
+    for queue in defs["queues"]:
+        assert (queue["vhost"], queue["durable"], queue["auto_delete"]) == ("v1", True, False)
+        assert queue["arguments"] == dict(topo.queue(queue["name"]).arguments)
+    for binding in defs["bindings"]:
+        assert (binding["vhost"], binding["destination_type"]) == ("v1", "queue")
+    start = next(e for e in defs["exchanges"] if e["name"] == "saga.start.fast")
+    assert start["type"] == "x-consistent-hash"
+
+
+def test_definitions_order_is_natural() -> None:
+    defs = to_definitions(build_topology(("fast",), 12, [], 20))
+    shards = [q["name"] for q in defs["queues"] if q["name"].startswith("orch.") and "dlq" not in q["name"]]
+    assert shards == [f"orch.fast.{n}" for n in range(12)]
+
+
+def test_definitions_users() -> None:
+    defs = to_definitions(build_topology(("fast",), 1, [], 20), "v", [("b", "pw-b"), ("a", "pw-a")])
+    assert defs["users"] == [
+        {"name": "a", "password": "pw-a", "tags": "administrator"},
+        {"name": "b", "password": "pw-b", "tags": "administrator"},
+    ]
+    assert defs["permissions"] == [
+        {"user": u, "vhost": "v", "configure": ".*", "write": ".*", "read": ".*"} for u in ("a", "b")
+    ]
+
+
+def _export(*args: str) -> str:
+    result = CliRunner().invoke(main, ["topology", "export", *args])
+    assert result.exit_code == 0, result.output
+    return result.stdout
+
+
+def test_export_command_prints_sorted_json_with_trailing_newline(registry: Registry) -> None:
+    text = _export()
+    assert text.endswith("}\n")
+    expected = to_definitions(topology_for(Settings(), registry))
+    assert text == json.dumps(expected, indent=2, sort_keys=True) + "\n"
+
+
+def test_export_command_writes_a_file(tmp_path: Path) -> None:
+    out = tmp_path / "defs.json"
+    result = CliRunner().invoke(main, ["topology", "export", "--vhost", "x", "--output", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "6 exchanges, 29 queues, 36 bindings" in result.stderr
+    assert json.loads(out.read_text())["vhosts"] == [{"name": "x"}]
+    assert out.read_text() == _export("--vhost", "x")
+
+
+def test_export_command_rejects_a_user_without_password() -> None:
+    result = CliRunner().invoke(main, ["topology", "export", "--user", "saga"])
+    assert result.exit_code == 2
+    assert "is not NAME:PASSWORD" in result.output
+
+
+def test_export_command_reports_reserved_queue_names(tmp_path: Path) -> None:
+    reg = tmp_path / "registry.json"
+    contract = {
+        "name": "x.y",
+        "version": 1,
+        "kind": "worker",
+        "queue": "orch.fast.0",
+        "input_schema": {"type": "object"},
+        "output_schema": {"type": "object"},
+    }
+    reg.write_text(json.dumps({"contracts": [contract]}))
+    result = CliRunner().invoke(main, ["topology", "export", "--registry", str(reg)])
+    assert result.exit_code == 2
+    assert "reserved name" in result.output
+
+
+def test_apply_command_names_an_unreachable_broker_without_its_password(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("SAGA_AMQP_URL", "amqp://someone:s3cret-pw@127.0.0.1:1/some-vhost")
+    result = CliRunner().invoke(main, ["topology", "apply"])
+    assert result.exit_code == 2, result.output
+    assert "cannot connect to RabbitMQ at amqp://someone:***@127.0.0.1:1/some-vhost" in result.output
+    assert "s3cret-pw" not in result.output
+
+
+def test_definitions_file_is_in_sync_with_the_topology() -> None:
+    """rabbitmq/definitions.json is generated from the default settings and registry: after changing either
+    (or bus names, or the topology), regenerate it."""
+    settings = Settings()
+    expected = to_definitions(
+        topology_for(settings, Registry.from_modules(settings.contracts)), "/", COMPOSE_USERS
+    )
+    text = json.dumps(expected, indent=2, sort_keys=True) + "\n"
+    assert DEFINITIONS_FILE.read_text() == text, (
+        f"{DEFINITIONS_FILE.relative_to(ROOT)} is out of date with the topology; run `{REGENERATE}`"
+    )
+    assert _export("--user", "saga:saga-dev-password") == text
