@@ -6,15 +6,22 @@ Exit codes: 0 success, 1 the input is invalid (a definition has problems), 2 usa
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
+from urllib.parse import urlsplit, urlunsplit
 
+import aio_pika
+import aiormq
 import click
+import pamqp.exceptions
 import pydantic
 
+from orchestrator.bus.topology import Topology, apply_topology, to_definitions, topology_for
 from orchestrator.compiler import CompiledPlan, compile_text
 from orchestrator.compiler.mermaid import render_mermaid
 from orchestrator.contracts import Registry
@@ -75,15 +82,19 @@ def registry_options(fn: F) -> F:
 
 
 def _env(modules: tuple[str, ...], registry_file: str | None) -> Env:
+    return Env(load_settings(), modules, registry_file)
+
+
+def load_settings() -> Settings:
+    """Read SAGA_* once; a bad value is a usage error (exit 2) that names the variable."""
     try:
-        settings = Settings()
+        return Settings()
     except pydantic.ValidationError as exc:
         problems = "; ".join(
             f"SAGA_{'_'.join(str(p) for p in e['loc']).upper()}: {e['msg']} (got {e['input']!r})"
             for e in exc.errors(include_url=False)
         )
         raise click.UsageError(f"invalid setting: {problems}") from exc
-    return Env(settings, modules, registry_file)
 
 
 def _emit_json(value: Any) -> None:
@@ -186,6 +197,139 @@ def _compile_or_exit(env: Env, file: str) -> CompiledPlan:
     try:
         return env.compile(file)
     except DefinitionError as exc:
-        for problem in exc.problems:
-            click.echo(str(problem), err=True)
+        print_problems(exc)
         sys.exit(1)
+
+
+def print_problems(exc: DefinitionError) -> None:
+    for problem in exc.problems:
+        click.echo(str(problem), err=True)
+
+
+# ---- saga topology ---------------------------------------------------------------------------------------
+
+
+class _BrokerError(click.ClickException):
+    """A broker that cannot be reached or refuses the topology: a configuration error (exit 2)."""
+
+    exit_code = 2
+
+
+def _redacted(url: str) -> str:
+    """The AMQP URL without its password, for messages."""
+    try:
+        parts = urlsplit(url)
+        if parts.password is None:
+            return url
+    except ValueError:
+        return "<unparseable URL>"
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{host}"))
+
+
+def _topology_of(env: Env) -> Topology:
+    try:
+        return topology_for(env.settings, env.registry)
+    except ValueError as exc:
+        raise _BrokerError(f"cannot build the broker topology: {exc}") from exc
+
+
+def _broker_reason(exc: BaseException, url: str) -> str:
+    """The broker's own words where it sent a Connection.Close (unknown vhost, refused login), else the
+    exception's; never the password."""
+    reason = str(exc) or type(exc).__name__
+    for arg in exc.args:
+        text = getattr(arg, "reply_text", None)
+        if text:
+            reason = f"{getattr(arg, 'reply_code', '')} {text}".strip()
+            break
+    return reason.replace(url, _redacted(url))
+
+
+async def _apply_topology(url: str, topology: Topology) -> None:
+    broker_errors = (aiormq.exceptions.AMQPError, pamqp.exceptions.PAMQPException)
+    # aiormq logs a failed connect before raising it; the error below says the same, once.
+    logging.getLogger("aiormq").addHandler(logging.NullHandler())
+    try:
+        connection = await aio_pika.connect(url, timeout=10)
+    except (*broker_errors, OSError, TimeoutError, ValueError) as exc:
+        raise _BrokerError(
+            f"cannot connect to RabbitMQ at {_redacted(url)}: {_broker_reason(exc, url)}"
+        ) from exc
+    try:
+        channel = await connection.channel()
+        await apply_topology(channel, topology)
+    except broker_errors as exc:
+        raise _BrokerError(
+            f"RabbitMQ at {_redacted(url)} refused the topology: {_broker_reason(exc, url)} (an exchange or "
+            "queue that exists with other arguments keeps them: change it with a policy, or delete it and "
+            "apply again)"
+        ) from exc
+    finally:
+        await connection.close()
+
+
+@main.group()
+def topology() -> None:
+    """The RabbitMQ topology (exchanges, queues, bindings) derived from settings and contracts."""
+
+
+@topology.command(name="apply")
+@registry_options
+def topology_apply(modules: tuple[str, ...], registry_file: str | None) -> None:
+    """Declare the topology on the broker at $SAGA_AMQP_URL (idempotent; never deletes anything)."""
+    env = _env(modules, registry_file)
+    built = _topology_of(env)
+    asyncio.run(_apply_topology(env.settings.amqp_url, built))
+    click.echo(f"applied {built.summary()} to {_redacted(env.settings.amqp_url)}")
+
+
+@topology.command(name="export")
+@click.option(
+    "--output", "-o", type=click.Path(dir_okay=False), metavar="FILE", help="Write to FILE, not stdout."
+)
+@click.option("--vhost", default="/", show_default=True, help="Virtual host the definitions declare.")
+@click.option(
+    "--user",
+    "users",
+    multiple=True,
+    metavar="NAME:PASSWORD",
+    help="Add a user with full permissions on the vhost (repeatable). A broker loading the file at boot "
+    "skips rabbitmq.conf's default_user, so a boot file needs one.",
+)
+@registry_options
+def topology_export(
+    output: str | None,
+    vhost: str,
+    users: tuple[str, ...],
+    modules: tuple[str, ...],
+    registry_file: str | None,
+) -> None:
+    """Print (or write) the topology as RabbitMQ definitions (for load_definitions or import_definitions)."""
+    pairs: list[tuple[str, str]] = []
+    for user in users:
+        name, sep, password = user.partition(":")
+        if not sep or not name or not password:
+            raise click.BadParameter(f"{user!r} is not NAME:PASSWORD", param_hint="--user")
+        pairs.append((name, password))
+    env = _env(modules, registry_file)
+    built = _topology_of(env)
+    text = json.dumps(to_definitions(built, vhost, pairs), indent=2, sort_keys=True) + "\n"
+    if output is None:
+        click.echo(text, nl=False)
+        return
+    try:
+        Path(output).write_text(text)
+    except OSError as exc:
+        raise click.UsageError(f"cannot write {output}: {exc.strerror}") from exc
+    click.echo(f"wrote {built.summary()} to {output}", err=True)
+
+
+def _register_runtime_commands() -> None:
+    from orchestrator.cli_runtime import COMMANDS  # after main exists: cli_runtime imports from here
+
+    for command in COMMANDS:
+        main.add_command(command)
+
+
+_register_runtime_commands()

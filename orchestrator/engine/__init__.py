@@ -53,6 +53,10 @@ def advance(
         return _start(plan, digest, run, event, now_ms)
     if run is None:
         return _rejected(Verdict.INVALID, "names no run", getattr(event, "stage", None))
+    claimed = getattr(event, "digest", "")
+    if claimed and claimed != run.digest:
+        why = f"names plan {claimed}, but the run is pinned to {run.digest}"
+        return _rejected(Verdict.INVALID, why, getattr(event, "stage", None))
     if isinstance(event, StageResult):
         return _stage_result(Step(plan, digest, run, now_ms), event)
     if isinstance(event, BarrierReleased):

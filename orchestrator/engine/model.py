@@ -75,6 +75,7 @@ class StageResult:
     result: Any = None
     error: str | None = None
     item: int | None = None
+    digest: str = ""  # the plan the dispatch named; a mismatch is refused
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,7 @@ class FinaliserResult:
     ok: bool
     result: Any = None
     error: str | None = None
+    digest: str = ""
 
 
 Event = StartRun | StageResult | BarrierReleased | FinaliserResult

@@ -263,6 +263,8 @@ class Step:
             "fence": fence,
             "item": item,
             "contract": ref,
+            "digest": self.digest,
+            "tenant": self.run.tenant,
             "input": payload,
             "idempotency_key": message_id,
         }
@@ -331,6 +333,8 @@ class Step:
             "fence": fence,
             "item": None,
             "contract": ref,
+            "digest": self.digest,
+            "tenant": self.run.tenant,
             "input": {
                 "run_id": self.run.run_id,
                 "definition": self.plan["name"],

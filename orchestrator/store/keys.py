@@ -10,10 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-def shard_id(shard_class: str, number: int) -> str:
-    return f"{shard_class}.{number}"
-
-
 @dataclass(frozen=True)
 class ShardKeys:
     prefix: str

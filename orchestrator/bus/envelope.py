@@ -1,0 +1,117 @@
+"""Message envelopes: one signed, self-describing shape for every message the system sends.
+
+Each envelope carries the identity of DESIGN.md invariant 5 (run, shard, stage, attempt, fence, plan
+digest, contract and result-schema version, deterministic message id, deadline, tenant, issued-at) and an
+HMAC-SHA256 signature over its canonical JSON, with the id of the key that signed it so keys can rotate.
+
+:func:`decode` is the only way in: it checks size before parsing, then shape, then signature, and raises
+:class:`EnvelopeRejected` with a reason; a rejected message never reaches a run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from orchestrator.errors import SagaError
+
+
+class Kind(StrEnum):
+    START = "start"  # service -> shard: create a run
+    TASK = "task"  # shard -> worker: run one attempt of a stage (or one map item, or a finaliser)
+    RESULT = "result"  # worker -> shard: the attempt's outcome
+    RELEASE = "barrier.released"  # shard -> shard: a join or map barrier released its successor
+    FINISHED = "run.finished"  # shard -> saga.events: the run reached completed or failed
+    CANCEL = "cancel"  # shard -> saga.events: cooperative cancellation of an attempt
+
+
+class Envelope(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    kind: Kind
+    message_id: str = Field(min_length=1, max_length=200)
+    run_id: str = Field(min_length=1, max_length=200)
+    shard: str = ""
+    stage: str | None = None
+    attempt: int | None = None
+    fence: str | None = None
+    item: int | None = None
+    digest: str = ""
+    contract: str | None = None  # name@version: the contract (and so result schema) version
+    deadline_ms: int | None = None
+    tenant: str = "default"
+    issued_at_ms: int = 0
+    key_id: str = ""
+    body: dict[str, Any] = Field(default_factory=dict)
+    signature: str = ""
+
+
+class EnvelopeRejected(SagaError):
+    """Raised when a message is refused before any state write: oversized, undecodable or forged."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        self.reason = reason
+        self.detail = detail
+        super().__init__(f"message rejected ({reason}): {detail}")
+
+
+def canonical(envelope: Envelope) -> bytes:
+    data = envelope.model_dump(mode="json", exclude={"signature"})
+    return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+@dataclass(frozen=True)
+class Signer:
+    """Signs with the first key and verifies with any: add a key first to rotate, drop the old one
+    once no message signed with it can still be in flight."""
+
+    keys: Mapping[str, bytes]
+    active: str
+
+    @classmethod
+    def from_settings(cls, pairs: tuple[str, ...]) -> Signer:
+        keys: dict[str, bytes] = {}
+        for pair in pairs:
+            key_id, sep, secret = pair.partition(":")
+            if not sep or not key_id or not secret:
+                raise SagaError(f"signing key {key_id or pair!r} is not 'id:secret'; set SAGA_SIGNING_KEYS")
+            keys[key_id] = secret.encode()
+        return cls(keys, pairs[0].partition(":")[0])
+
+    def sign(self, envelope: Envelope) -> Envelope:
+        unsigned = envelope.model_copy(update={"key_id": self.active, "signature": ""})
+        return unsigned.model_copy(update={"signature": self._mac(self.active, unsigned)})
+
+    def verify(self, envelope: Envelope) -> None:
+        if envelope.key_id not in self.keys:
+            raise EnvelopeRejected("unknown-key", f"key id {envelope.key_id!r} is not configured")
+        expected = self._mac(envelope.key_id, envelope)
+        if not hmac.compare_digest(expected, envelope.signature):
+            raise EnvelopeRejected("bad-signature", f"message {envelope.message_id} has a bad signature")
+
+    def _mac(self, key_id: str, envelope: Envelope) -> str:
+        return hmac.new(self.keys[key_id], canonical(envelope), hashlib.sha256).hexdigest()
+
+
+def encode(envelope: Envelope) -> bytes:
+    return envelope.model_dump_json().encode()
+
+
+def decode(raw: bytes, signer: Signer, max_bytes: int) -> Envelope:
+    if len(raw) > max_bytes:
+        raise EnvelopeRejected("oversized", f"{len(raw)} bytes, over the {max_bytes}-byte limit")
+    try:
+        envelope = Envelope.model_validate_json(raw)
+    except ValidationError as exc:
+        first = exc.errors(include_url=False)[0]
+        where = ".".join(str(p) for p in first["loc"]) or "message"
+        raise EnvelopeRejected("malformed", f"{where}: {first['msg']}") from exc
+    signer.verify(envelope)
+    return envelope

@@ -1,0 +1,120 @@
+"""Publishing with publisher confirms and ``mandatory``.
+
+Confirms tell us the broker has taken responsibility for a message (for quorum queues: a majority wrote
+it); ``mandatory`` makes an unroutable message come back as an error instead of vanishing. Only a
+positively confirmed message is marked sent in the outbox; anything else stays there for the relay.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import aio_pika
+from aio_pika.abc import AbstractChannel, AbstractExchange
+
+from orchestrator.bus import names
+from orchestrator.bus.envelope import Envelope, Kind, Signer, encode
+from orchestrator.engine.model import Outgoing
+
+log = logging.getLogger(__name__)
+
+
+def envelope_for(message: Outgoing, signer: Signer, now_ms: int) -> Envelope:
+    body = dict(message.body)
+    return signer.sign(
+        Envelope(
+            kind=Kind(message.kind),
+            message_id=message.message_id,
+            run_id=str(body.get("run_id", "")),
+            shard=str(body.get("shard", "")),
+            stage=body.get("stage"),
+            attempt=body.get("attempt"),
+            fence=body.get("fence"),
+            item=body.get("item"),
+            digest=str(body.get("digest", "")),
+            contract=body.get("contract"),
+            tenant=str(body.get("tenant", "default")),
+            issued_at_ms=now_ms,
+            body=body,
+        )
+    )
+
+
+def outgoing_from_payload(payload: Mapping[str, Any]) -> Outgoing:
+    """Rebuild an outbox entry (as stored by the transition) for the relay."""
+    route = payload["route"]
+    return Outgoing(payload["id"], payload["kind"], (route[0], route[1]), payload["body"])
+
+
+class Publisher:
+    """Publishes envelopes on one confirm-mode channel; returns the ids the broker confirmed."""
+
+    def __init__(self, channel: AbstractChannel, signer: Signer) -> None:
+        self.channel = channel
+        self.signer = signer
+        self._exchanges: dict[str, AbstractExchange] = {}
+
+    async def _exchange(self, name: str) -> AbstractExchange:
+        if name not in self._exchanges:
+            self._exchanges[name] = await self.channel.get_exchange(name, ensure=False)
+        return self._exchanges[name]
+
+    async def publish_all(self, messages: Iterable[Outgoing], now_ms: int) -> list[str]:
+        batch = list(messages)
+        if not batch:
+            return []
+        results = await asyncio.gather(*(self._publish(m, now_ms) for m in batch), return_exceptions=True)
+        confirmed = []
+        for message, result in zip(batch, results, strict=True):
+            if isinstance(result, BaseException):
+                log.warning(
+                    "publish of %s (%s) not confirmed: %s; the relay will retry",
+                    message.message_id,
+                    message.route,
+                    result,
+                )
+            else:
+                confirmed.append(message.message_id)
+        return confirmed
+
+    async def _publish(self, message: Outgoing, now_ms: int) -> None:
+        kind, target = message.route
+        exchange, routing_key, mandatory = {
+            "task": (names.TASKS_EXCHANGE, target, True),
+            "shard": (names.RUNS_EXCHANGE, target, True),
+            "events": (names.EVENTS_EXCHANGE, target, False),  # nobody listening is fine
+        }[kind]
+        envelope = envelope_for(message, self.signer, now_ms)
+        await self.publish_envelope(envelope, exchange, routing_key, mandatory=mandatory)
+
+    async def publish_envelope(
+        self, envelope: Envelope, exchange: str, routing_key: str, *, mandatory: bool = True
+    ) -> None:
+        target = await self._exchange(exchange)
+        await target.publish(
+            aio_pika.Message(
+                encode(envelope),
+                message_id=envelope.message_id,
+                content_type="application/json",
+                delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+            ),
+            routing_key=routing_key,
+            mandatory=mandatory,
+        )
+
+    async def reject(self, raw: bytes, reason: str, detail: str, source: str) -> None:
+        """Park a refused message on saga.rejected with its reason (the broker's own dead-lettering
+        could only say 'rejected')."""
+        default = self.channel.default_exchange
+        await default.publish(
+            aio_pika.Message(
+                raw,
+                headers={"x-saga-reason": reason, "x-saga-detail": detail[:1000], "x-saga-source": source},
+                delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+            ),
+            routing_key=names.REJECTED_QUEUE,
+            mandatory=True,
+        )

@@ -1,0 +1,367 @@
+"""``saga`` commands that talk to RabbitMQ and Redis: run processes, publish definitions, start and
+inspect runs. Registered on the main group by ``orchestrator.cli``."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import json
+import logging
+import signal
+import sys
+from typing import Any
+
+import aio_pika
+import click
+import redis
+import redis.asyncio as aioredis
+
+from orchestrator.bus import names
+from orchestrator.bus.envelope import Signer
+from orchestrator.client import Client, RunNotFound, WaitTimeout
+from orchestrator.errors import SagaError
+from orchestrator.settings import Settings
+from orchestrator.shard.service import ShardOptions, ShardService
+from orchestrator.store.keys import ShardKeys
+from orchestrator.store.redis_store import RedisStore
+
+
+def _settings() -> Settings:
+    from orchestrator.cli import load_settings  # the one place settings errors are turned into usage errors
+
+    return load_settings()
+
+
+def _emit(value: Any) -> None:
+    click.echo(json.dumps(value, indent=2, sort_keys=True, ensure_ascii=False))
+
+
+def _unreachable(exc: BaseException) -> click.ClickException:
+    return click.ClickException(
+        f"cannot reach RabbitMQ or Redis: {exc}; check SAGA_AMQP_URL / SAGA_REDIS_URL"
+    )
+
+
+def _heartbeat_url(url: str, seconds: int) -> str:
+    if "heartbeat=" in url:
+        return url
+    return f"{url}{'&' if '?' in url else '?'}heartbeat={seconds}"
+
+
+def _serve(make: Any) -> None:
+    """Run a service coroutine until SIGTERM/SIGINT, which asks it to drain and stop."""
+
+    async def main() -> None:
+        service, cleanup = await make()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, service.stop)
+        try:
+            await service.run()
+        finally:
+            await cleanup()
+
+    try:
+        asyncio.run(main())
+    except (aio_pika.exceptions.AMQPConnectionError, ConnectionError, OSError) as exc:
+        raise _unreachable(exc) from exc
+
+
+@click.command()
+@click.option("--class", "shard_class", default=None, help="Serve only this shard class (default: all).")
+@click.option("--shards", default="", help="Shard numbers: '0-3', '1,3' (default: all).")
+@click.option("-v", "--verbose", is_flag=True, help="Log at INFO level.")
+def orchestrator(shard_class: str | None, shards: str, verbose: bool) -> None:
+    """Consume shard queues and advance runs (several processes may serve the same shards)."""
+    logging.basicConfig(
+        level=logging.INFO if verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    settings = _settings()
+    classes = (shard_class,) if shard_class else settings.shard_classes
+    try:
+        shard_ids = names.parse_shards(shards, classes, settings.shard_count)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
+
+    async def make() -> tuple[ShardService, Any]:
+        connection = await aio_pika.connect_robust(
+            _heartbeat_url(settings.amqp_url, settings.amqp_heartbeat_s)
+        )
+        client = aioredis.Redis.from_url(settings.redis_url, decode_responses=True)
+        store = RedisStore(client, settings.key_prefix, settings.retention_ms)
+        options = ShardOptions(
+            prefetch=settings.shard_prefetch,
+            batch_max=settings.shard_prefetch,
+            max_message_bytes=settings.max_message_bytes,
+            crash_points=frozenset(settings.crash_points),
+        )
+        service = ShardService(
+            connection, store, Signer.from_settings(settings.signing_keys), shard_ids, options
+        )
+
+        async def cleanup() -> None:
+            await connection.close()
+            await client.aclose()
+
+        return service, cleanup
+
+    click.echo(f"orchestrator serving {', '.join(shard_ids)}", err=True)
+    _serve(make)
+
+
+@click.command()
+@click.option(
+    "--app", "app", default="workers.demo", show_default=True, help="Module with @action/@worker handlers."
+)
+@click.option(
+    "--queue",
+    "queues",
+    multiple=True,
+    help="Queue to consume (repeatable; default: every queue the app's handlers declare, plus "
+    "tasks.serial, tasks.parallel and tasks.actions).",
+)
+@click.option("--concurrency", default=8, show_default=True, help="Tasks run at once by this process.")
+@click.option("-v", "--verbose", is_flag=True, help="Log at INFO level.")
+def worker(app: str, queues: tuple[str, ...], concurrency: int, verbose: bool) -> None:
+    """Consume task queues and run the app's handlers."""
+    from workers.runtime import WorkerRuntime
+    from workers.sdk import handlers_of
+
+    logging.basicConfig(
+        level=logging.INFO if verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    settings = _settings()
+    try:
+        module = importlib.import_module(app)
+    except Exception as exc:
+        raise click.UsageError(f"cannot import --app {app!r}: {type(exc).__name__}: {exc}") from exc
+    handlers = {h.contract.ref: h for h in handlers_of(module)}
+    if not handlers:
+        raise click.UsageError(f"--app {app!r} declares no @action or @worker handlers")
+    # Stages may override a contract's queue with one of the built-in task queues, so a worker serves
+    # those too unless told otherwise.
+    chosen = list(queues) or sorted(
+        {h.contract.queue for h in handlers.values()} | set(names.BUILTIN_TASK_QUEUES)
+    )
+    startup = getattr(module, "saga_startup", None)
+    if callable(startup):
+        startup(settings)
+
+    async def make() -> tuple[WorkerRuntime, Any]:
+        connection = await aio_pika.connect_robust(
+            _heartbeat_url(settings.amqp_url, settings.amqp_heartbeat_s)
+        )
+        runtime = WorkerRuntime(
+            connection,
+            handlers,
+            chosen,
+            Signer.from_settings(settings.signing_keys),
+            concurrency=concurrency,
+            max_message_bytes=settings.max_message_bytes,
+        )
+
+        async def cleanup() -> None:
+            await connection.close()
+
+        return runtime, cleanup
+
+    click.echo(f"worker {app} consuming {', '.join(chosen)}", err=True)
+    _serve(make)
+
+
+@click.group()
+def definitions() -> None:
+    """Publish definitions for new runs."""
+
+
+@definitions.command(name="publish")
+@click.argument("files", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def definitions_publish(files: tuple[str, ...], as_json: bool) -> None:
+    """Compile, store the plan by digest, and make it the version new runs use."""
+    from orchestrator.cli import Env, print_problems
+    from orchestrator.errors import DefinitionError
+
+    settings = _settings()
+    env = Env(settings, (), None)
+    client = redis.Redis.from_url(settings.redis_url, decode_responses=True)
+    published = []
+    for path in files:
+        try:
+            plan = env.compile(path)
+        except DefinitionError as exc:
+            print_problems(exc)
+            sys.exit(1)
+        asyncio.run(_publish(settings, plan.digest, plan.plan, plan.versions, plan.name))
+        published.append(
+            {"file": path, "definition": plan.name, "version": plan.version, "digest": plan.digest}
+        )
+    client.close()
+    if as_json:
+        _emit(published)
+    else:
+        for p in published:
+            click.echo(f"{p['definition']} {p['version']} {p['digest']} is active for new runs")
+
+
+async def _publish(
+    settings: Settings, digest: str, plan: dict[str, Any], versions: dict[str, str], name: str
+) -> None:
+    client = aioredis.Redis.from_url(settings.redis_url, decode_responses=True)
+    try:
+        store = RedisStore(client, settings.key_prefix)
+        await store.save_plan(digest, plan, versions)
+        await store.activate(name, digest)
+    finally:
+        await client.aclose()
+
+
+@click.command()
+@click.argument("definition")
+@click.option("--context", "context_json", default="{}", help="The run's context, as JSON.")
+@click.option("--idempotency-key", default=None, help="The same key never starts two runs.")
+@click.option(
+    "--wait",
+    "wait_s",
+    is_flag=False,
+    flag_value=60.0,
+    default=None,
+    type=float,
+    help="Wait for the run to finish (optionally: at most this many seconds).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def start(
+    definition: str, context_json: str, idempotency_key: str | None, wait_s: float | None, as_json: bool
+) -> None:
+    """Start a run of DEFINITION's active version."""
+    try:
+        context = json.loads(context_json)
+    except json.JSONDecodeError as exc:
+        raise click.UsageError(f"--context is not JSON: {exc}") from exc
+    if not isinstance(context, dict):
+        raise click.UsageError("--context must be a JSON object")
+    settings = _settings()
+
+    async def go() -> dict[str, Any]:
+        async with Client(settings) as client:
+            run_id = await client.start(definition, context, idempotency_key)
+            if wait_s is None:
+                return {"run_id": run_id, "state": "pending"}
+            result = await client.wait(run_id, timeout_s=wait_s)
+            return {"run_id": run_id, "state": result.state, "output": result.output, "reason": result.reason}
+
+    document = _run(go())
+    if as_json:
+        _emit(document)
+    else:
+        click.echo(
+            " ".join(f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in document.items())
+        )
+    sys.exit(0 if document["state"] in ("pending", "completed") else 1)
+
+
+@click.command()
+@click.argument("run_id")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def status(run_id: str, as_json: bool) -> None:
+    """Show a run's state, intent and stages."""
+    settings = _settings()
+
+    async def go() -> dict[str, Any]:
+        async with Client(settings) as client:
+            return await client.status(run_id)
+
+    document = _run(go())
+    if as_json:
+        _emit(document)
+        return
+    click.echo(
+        f"{document['run_id']}  {document['definition']} {document['version']}  {document['state']}"
+        + (f"  ({document['reason']})" if document["reason"] else "")
+    )
+    for name, stage in document["stages"].items():
+        click.echo(f"  {name:<24} {stage['state']:<10} attempt {stage['attempt']}")
+
+
+@click.command()
+@click.argument("run_id")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def history(run_id: str, as_json: bool) -> None:
+    """Show a run's durable history, event by event."""
+    settings = _settings()
+
+    async def go() -> list[dict[str, Any]]:
+        client = aioredis.Redis.from_url(settings.redis_url, decode_responses=True)
+        try:
+            store = RedisStore(client, settings.key_prefix)
+            shard = await store.owner(run_id)
+            if shard is None:
+                raise RunNotFound(run_id)
+            return await store.history(shard, run_id)
+        finally:
+            await client.aclose()
+
+    events = _run(go())
+    if as_json:
+        _emit({"run_id": run_id, "events": events})
+        return
+    for e in events:
+        extra = {k: v for k, v in e.items() if k not in ("seq", "id", "at", "kind", "stage", "attempt")}
+        where = e["stage"] or ""
+        click.echo(
+            f"{e['seq']:>4} {e['at']} {e['kind']:<22} {where:<22} {json.dumps(extra) if extra else ''}"
+        )
+
+
+@click.command()
+@click.option("--state", "state", default=None, help="Only runs in this state.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def runs(state: str | None, as_json: bool) -> None:
+    """List runs (all shards), newest first."""
+    settings = _settings()
+    shard_ids = names.parse_shards("", settings.shard_classes, settings.shard_count)
+
+    async def go() -> list[dict[str, Any]]:
+        client = aioredis.Redis.from_url(settings.redis_url, decode_responses=True)
+        try:
+            found = []
+            for shard in shard_ids:
+                keys = ShardKeys(settings.key_prefix, shard)
+                for run_id in await client.zrange(keys.runs(), 0, -1):
+                    fields = await client.hmget(keys.run(run_id), ["definition", "status", "created_at"])  # type: ignore[misc]
+                    if fields[1] is None or (state and fields[1] != state):
+                        continue
+                    found.append(
+                        {
+                            "run_id": run_id,
+                            "definition": fields[0],
+                            "state": fields[1],
+                            "created_at": int(fields[2] or 0),
+                            "shard": shard,
+                        }
+                    )
+            return sorted(found, key=lambda r: -r["created_at"])
+        finally:
+            await client.aclose()
+
+    found = _run(go())
+    if as_json:
+        _emit(found)
+        return
+    for r in found:
+        click.echo(f"{r['run_id']}  {r['definition']:<20} {r['state']:<10} {r['shard']}")
+
+
+def _run(coro: Any) -> Any:
+    try:
+        return asyncio.run(coro)
+    except (RunNotFound, WaitTimeout, SagaError) as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(1)
+    except (aio_pika.exceptions.AMQPConnectionError, redis.exceptions.ConnectionError, OSError) as exc:
+        raise _unreachable(exc) from exc
+
+
+COMMANDS = [orchestrator, worker, definitions, start, status, history, runs]

@@ -1,0 +1,271 @@
+"""Clients for services: start runs and wait for them.
+
+``Client`` is async (aio-pika + redis.asyncio); ``SyncClient`` is blocking (pika + redis). Both publish a
+signed start message to ``saga.start.<class>`` (consistent hash on the run id) with publisher confirms,
+and read run state from Redis. The same idempotency key always gives the same run id, and the shard
+creates a run only once, so a start sent twice (a retry after a timeout) starts one run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import aio_pika
+import pika
+import redis
+import redis.asyncio as aioredis
+
+from orchestrator.bus import names
+from orchestrator.bus.envelope import Envelope, Kind, Signer, encode
+from orchestrator.engine.model import TERMINAL_RUN_STATUSES, RunStatus
+from orchestrator.errors import SagaError
+from orchestrator.settings import Settings
+from orchestrator.store.keys import ShardKeys, active_key, index_key, plan_key
+from orchestrator.store.spec import snapshot_from_record
+
+RUN_NAMESPACE = uuid.UUID("6f1d2c3e-5a4b-4c8d-9e7f-0a1b2c3d4e5f")
+
+
+class RunNotFound(SagaError):
+    """Raised when a run id is not known (never started, or expired after its retention)."""
+
+    def __init__(self, run_id: str) -> None:
+        self.run_id = run_id
+        super().__init__(f"run {run_id} not found; it never started or its record has expired")
+
+
+class WaitTimeout(SagaError):
+    """Raised when a run is still going when ``wait`` gives up; the run itself goes on."""
+
+    def __init__(self, run_id: str, state: str, timeout_s: float) -> None:
+        self.run_id = run_id
+        super().__init__(
+            f"run {run_id} is still {state} after {timeout_s:g} s; wait again or check its history"
+        )
+
+
+@dataclass(frozen=True)
+class RunResult:
+    run_id: str
+    state: str
+    output: Any = None
+    reason: str | None = None
+
+    @property
+    def completed(self) -> bool:
+        return self.state == RunStatus.COMPLETED.value
+
+
+def run_id_for(definition: str, idempotency_key: str | None) -> str:
+    if idempotency_key is None:
+        return uuid.uuid4().hex
+    return uuid.uuid5(RUN_NAMESPACE, f"{definition}\x1f{idempotency_key}").hex
+
+
+def start_envelope(
+    signer: Signer,
+    run_id: str,
+    definition: str,
+    digest: str,
+    context: Mapping[str, Any],
+    tenant: str = "default",
+) -> Envelope:
+    return signer.sign(
+        Envelope(
+            kind=Kind.START,
+            message_id=f"start-{run_id}",
+            run_id=run_id,
+            digest=digest,
+            tenant=tenant,
+            issued_at_ms=int(time.time() * 1000),
+            body={"definition": definition, "digest": digest, "context": dict(context)},
+        )
+    )
+
+
+def status_document(record: Mapping[str, str]) -> dict[str, Any]:
+    """The documented ``saga status --json`` shape, from a run's record."""
+    snapshot = snapshot_from_record(record, {})
+    return {
+        "run_id": snapshot.run_id,
+        "state": snapshot.status.value,
+        "intent": snapshot.intent.value if snapshot.intent else None,
+        "reason": snapshot.reason,
+        "definition": record.get("definition"),
+        "version": record.get("version"),
+        "digest": snapshot.digest,
+        "shard": snapshot.shard,
+        "output": snapshot.output,
+        "created_at": int(record["created_at"]) if "created_at" in record else None,
+        "finished_at": int(record["finished_at"]) if "finished_at" in record else None,
+        "stages": {
+            name: {"state": rec.status.value, "attempt": rec.attempt}
+            for name, rec in sorted(snapshot.stages.items())
+        },
+    }
+
+
+def _text(mapping: Mapping[Any, Any]) -> dict[str, str]:
+    return {
+        (k.decode() if isinstance(k, bytes) else str(k)): (v.decode() if isinstance(v, bytes) else str(v))
+        for k, v in mapping.items()
+    }
+
+
+class Client:
+    """Async client. Use ``async with Client(settings) as client:``."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.signer = Signer.from_settings(settings.signing_keys)
+        self.redis = aioredis.Redis.from_url(settings.redis_url, decode_responses=True)
+        self._connection: aio_pika.abc.AbstractRobustConnection | None = None
+        self._channel: aio_pika.abc.AbstractChannel | None = None
+
+    async def __aenter__(self) -> Client:
+        self._connection = await aio_pika.connect_robust(self.settings.amqp_url)
+        self._channel = await self._connection.channel(publisher_confirms=True, on_return_raises=True)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._connection is not None:
+            await self._connection.close()
+        await self.redis.aclose()
+
+    async def _plan_of(self, definition: str) -> tuple[str, dict[str, Any]]:
+        digest = await self.redis.get(active_key(self.settings.key_prefix, definition))
+        if digest is None:
+            raise SagaError(
+                f"definition {definition!r} is not published; run 'saga definitions publish FILE'"
+            )
+        raw = await self.redis.get(plan_key(self.settings.key_prefix, digest))
+        if raw is None:
+            raise SagaError(
+                f"plan {digest} of {definition!r} is missing from Redis; publish the definition again"
+            )
+        return str(digest), json.loads(raw)["plan"]
+
+    async def start(
+        self, definition: str, context: Mapping[str, Any], idempotency_key: str | None = None
+    ) -> str:
+        """Start a run of the active version of ``definition``; returns its run id at once."""
+        if self._channel is None:
+            raise SagaError("the client is not connected; use 'async with Client(settings) as client'")
+        digest, plan = await self._plan_of(definition)
+        run_id = run_id_for(definition, idempotency_key)
+        envelope = start_envelope(self.signer, run_id, definition, digest, context)
+        exchange = await self._channel.get_exchange(names.start_exchange(plan["class"]), ensure=False)
+        await exchange.publish(
+            aio_pika.Message(
+                encode(envelope),
+                message_id=envelope.message_id,
+                delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+            ),
+            routing_key=run_id,
+            mandatory=True,
+        )
+        return run_id
+
+    async def status(self, run_id: str) -> dict[str, Any]:
+        shard = await self.redis.get(index_key(self.settings.key_prefix, run_id))
+        if shard is None:
+            raise RunNotFound(run_id)
+        key = ShardKeys(self.settings.key_prefix, str(shard)).run(run_id)
+        record = await self.redis.hgetall(key)  # type: ignore[misc]
+        if not record:
+            raise RunNotFound(run_id)
+        return status_document(_text(record))
+
+    async def wait(self, run_id: str, timeout_s: float = 60.0, poll_s: float = 0.01) -> RunResult:
+        """Wait until the run is completed or failed (finalisers included)."""
+        deadline = time.monotonic() + timeout_s
+        state = "pending"
+        while time.monotonic() < deadline:
+            try:
+                document = await self.status(run_id)
+            except RunNotFound:
+                document = None  # not created yet: the start is still in flight
+            if document is not None:
+                state = document["state"]
+                if RunStatus(state) in TERMINAL_RUN_STATUSES:
+                    return RunResult(run_id, state, document["output"], document["reason"])
+            await asyncio.sleep(poll_s)
+            poll_s = min(poll_s * 1.5, 0.25)
+        raise WaitTimeout(run_id, state, timeout_s)
+
+
+class SyncClient:
+    """Blocking client on pika, for scripts and services without an event loop."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.signer = Signer.from_settings(settings.signing_keys)
+        self.redis = redis.Redis.from_url(settings.redis_url, decode_responses=True)
+        self._connection = pika.BlockingConnection(pika.URLParameters(settings.amqp_url))
+        self._channel = self._connection.channel()
+        self._channel.confirm_delivery()  # basic_publish now raises on nack or (mandatory) return
+
+    def close(self) -> None:
+        if self._connection.is_open:
+            self._connection.close()
+        self.redis.close()
+
+    def __enter__(self) -> SyncClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def start(self, definition: str, context: Mapping[str, Any], idempotency_key: str | None = None) -> str:
+        prefix = self.settings.key_prefix
+        digest = self.redis.get(active_key(prefix, definition))
+        if digest is None:
+            raise SagaError(
+                f"definition {definition!r} is not published; run 'saga definitions publish FILE'"
+            )
+        raw = self.redis.get(plan_key(prefix, str(digest)))
+        if raw is None:
+            raise SagaError(
+                f"plan {digest} of {definition!r} is missing from Redis; publish the definition again"
+            )
+        plan = json.loads(str(raw))["plan"]
+        run_id = run_id_for(definition, idempotency_key)
+        envelope = start_envelope(self.signer, run_id, definition, str(digest), context)
+        self._channel.basic_publish(
+            names.start_exchange(plan["class"]),
+            run_id,
+            encode(envelope),
+            pika.BasicProperties(message_id=envelope.message_id, delivery_mode=2),
+            mandatory=True,
+        )
+        return run_id
+
+    def status(self, run_id: str) -> dict[str, Any]:
+        shard = self.redis.get(index_key(self.settings.key_prefix, run_id))
+        record = (
+            self.redis.hgetall(ShardKeys(self.settings.key_prefix, str(shard)).run(run_id)) if shard else {}
+        )
+        if not record:
+            raise RunNotFound(run_id)
+        return status_document(_text(record))  # type: ignore[arg-type]
+
+    def wait(self, run_id: str, timeout_s: float = 60.0, poll_s: float = 0.01) -> RunResult:
+        deadline = time.monotonic() + timeout_s
+        state = "pending"
+        while time.monotonic() < deadline:
+            try:
+                document = self.status(run_id)
+                state = document["state"]
+                if RunStatus(state) in TERMINAL_RUN_STATUSES:
+                    return RunResult(run_id, state, document["output"], document["reason"])
+            except RunNotFound:
+                pass
+            time.sleep(poll_s)
+            poll_s = min(poll_s * 1.5, 0.25)
+        raise WaitTimeout(run_id, state, timeout_s)

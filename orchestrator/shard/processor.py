@@ -1,0 +1,154 @@
+"""One delivery through the orchestrator: envelope -> event -> engine -> atomic apply -> messages.
+
+AMQP-free, so it is tested directly against Redis. The service (``service.py``) feeds it deliveries and
+publishes what it returns. A CONFLICT from the store means another actor changed the run between our read
+and our write (a paused old consumer, a concurrent branch): we reload and decide again, and the engine
+then sees the newer state (typically: a duplicate or a late callback, recorded as such).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from orchestrator.bus.envelope import Envelope, Kind
+from orchestrator.engine import advance
+from orchestrator.engine.model import (
+    BarrierReleased,
+    Decision,
+    Event,
+    FinaliserResult,
+    Outgoing,
+    StageResult,
+    StartRun,
+    Verdict,
+)
+from orchestrator.store.redis_store import APPLIED, CONFLICT, NO_RUN, PlanNotFound, RedisStore
+
+MAX_CONFLICT_RETRIES = 8
+
+
+@dataclass
+class Outcome:
+    """What the service must do after a delivery was handled."""
+
+    publish: list[Outgoing] = field(default_factory=list)
+    forward_to: str | None = None  # the run lives on another shard: re-route the same message there
+    rejected: tuple[str, str] | None = None  # (reason, detail): refuse to saga.rejected
+    verdict: Verdict | None = None
+
+
+class Processor:
+    def __init__(self, store: RedisStore, clock_ms: Callable[[], int]) -> None:
+        self.store = store
+        self.clock_ms = clock_ms
+
+    async def handle(self, shard: str, envelope: Envelope) -> Outcome:
+        if envelope.kind is Kind.START:
+            return await self._start(shard, envelope)
+        if envelope.kind in (Kind.RESULT, Kind.RELEASE):
+            if envelope.shard and envelope.shard != shard:
+                return Outcome(forward_to=envelope.shard)
+            return await self._continue(shard, envelope)
+        return Outcome(rejected=("wrong-kind", f"{envelope.kind.value} messages are not for shard queues"))
+
+    async def _start(self, shard: str, envelope: Envelope) -> Outcome:
+        body = envelope.body
+        definition = body.get("definition")
+        context = body.get("context", {})
+        if not isinstance(definition, str) or not isinstance(context, dict):
+            return Outcome(
+                rejected=("malformed", "a start names 'definition' (string) and 'context' (object)")
+            )
+        try:
+            digest = body.get("digest") or await self.store.active_digest(definition)
+            plan = await self.store.plan(digest)
+        except PlanNotFound as exc:
+            return Outcome(rejected=("unknown-definition", str(exc)))
+        owner = await self.store.claim(envelope.run_id, shard)
+        if owner != shard:
+            return Outcome(forward_to=owner)
+        event = StartRun(envelope.message_id, envelope.run_id, shard, context, envelope.tenant)
+        return await self._decide(shard, envelope.run_id, event, plan, digest, None)
+
+    async def _continue(self, shard: str, envelope: Envelope) -> Outcome:
+        snapshot = await self.store.snapshot(shard, envelope.run_id)
+        if snapshot is None:
+            owner = await self.store.owner(envelope.run_id)
+            if owner is not None and owner != shard:
+                return Outcome(forward_to=owner)
+            return Outcome(rejected=("unknown-run", f"run {envelope.run_id} does not exist on {shard}"))
+        plan = await self.store.plan(snapshot.digest)
+        event = _event(envelope)
+        if event is None:
+            return Outcome(rejected=("malformed", f"a {envelope.kind.value} must name stage and fence"))
+        stage = plan["stages"].get(getattr(event, "stage", ""), {})
+        map_stage = event.stage if isinstance(event, BarrierReleased) and stage.get("type") == "map" else None
+        return await self._decide(shard, envelope.run_id, event, plan, snapshot.digest, map_stage)
+
+    async def _decide(
+        self, shard: str, run_id: str, event: Event, plan: dict[str, Any], digest: str, map_stage: str | None
+    ) -> Outcome:
+        for _ in range(MAX_CONFLICT_RETRIES):
+            snapshot = await self.store.snapshot(shard, run_id, map_stage)
+            now = self.clock_ms()
+            decision = advance(plan, digest, snapshot, event, now)
+            if snapshot is None and not decision.create:
+                return Outcome(
+                    rejected=("unknown-run", f"run {run_id} does not exist"), verdict=decision.verdict
+                )
+            result = await self.store.apply(shard, run_id, event.message_id, decision, plan, now)
+            if result.code == CONFLICT:
+                continue
+            if result.code == NO_RUN:
+                return Outcome(rejected=("unknown-run", f"run {run_id} does not exist"))
+            return Outcome(
+                publish=_to_publish(decision, result.code, result.detail), verdict=decision.verdict
+            )
+        raise RuntimeError(f"run {run_id}: {MAX_CONFLICT_RETRIES} conflicting writes in a row; giving up")
+
+
+def _to_publish(decision: Decision, code: int, detail: str) -> list[Outgoing]:
+    if code != APPLIED:
+        return []
+    messages = list(decision.outgoing)
+    if decision.arrival is not None and detail == "0":
+        messages.append(decision.arrival.release)  # this arrival was the last: release the successor
+    return messages
+
+
+def _event(envelope: Envelope) -> Event | None:
+    body = envelope.body
+    if envelope.stage is None or envelope.fence is None:
+        return None
+    if envelope.kind is Kind.RELEASE:
+        return BarrierReleased(envelope.message_id, envelope.stage, envelope.fence)
+    ok = bool(body.get("ok"))
+    error = body.get("error")
+    error_text = error if isinstance(error, str) or error is None else json.dumps(error)
+    if envelope.stage.startswith("finaliser:"):
+        index = envelope.stage.partition(":")[2]
+        if not index.isdigit():
+            return None
+        return FinaliserResult(
+            envelope.message_id,
+            int(index),
+            envelope.fence,
+            ok,
+            body.get("result"),
+            error_text,
+            envelope.digest,
+        )
+    return StageResult(
+        envelope.message_id,
+        envelope.stage,
+        envelope.attempt or 0,
+        envelope.fence,
+        ok,
+        body.get("result"),
+        error_text,
+        envelope.item,
+        envelope.digest,
+    )

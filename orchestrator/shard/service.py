@@ -1,0 +1,210 @@
+"""The orchestrator process: consume shard queues in batches, apply transitions, publish, ack.
+
+Per shard, one channel (acks with ``multiple=True`` are per channel) and one loop:
+
+    take a batch of deliveries ▸ decode + verify ▸ per run, in order: engine ▸ Lua apply
+    ▸ publish what the transitions caused (confirms) ▸ mark confirmed entries sent ▸ ack the batch
+
+Runs in one batch are processed concurrently (their transitions commute); a run's own messages stay in
+delivery order. Redis unreachable: the loop closes its channel (unacked deliveries go back to the queue,
+no dead-lettering) and waits for Redis before consuming again. A relay re-publishes outbox entries that
+were committed but never confirmed (a crash between commit and publish), at start-up and periodically.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import aio_pika
+from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractRobustConnection
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from orchestrator.bus import names
+from orchestrator.bus.envelope import Envelope, EnvelopeRejected, Signer, decode
+from orchestrator.bus.publisher import Publisher, outgoing_from_payload
+from orchestrator.engine.model import Outgoing
+from orchestrator.shard.processor import Outcome, Processor
+from orchestrator.store.redis_store import RedisStore
+
+log = logging.getLogger(__name__)
+REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, ConnectionRefusedError, OSError)
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+@dataclass
+class ShardOptions:
+    prefetch: int = 64
+    batch_max: int = 64
+    max_message_bytes: int = 1_048_576
+    relay_interval_s: float = 5.0
+    relay_min_age_ms: int = 2_000  # younger entries are most likely being published right now
+    redis_retry_s: float = 0.5
+    crash_points: frozenset[str] = frozenset()  # tests only: see crash()
+
+
+CRASH_POINTS = frozenset({"after-consume", "after-commit", "after-publish"})
+
+
+def crash(options: ShardOptions, point: str) -> None:
+    """Fault injection: die like kill -9 at a named point (SAGA_CRASH_POINTS, tests only)."""
+    if point in options.crash_points:
+        log.error("crash point %s reached: killing this process", point)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+@dataclass
+class _Delivery:
+    message: AbstractIncomingMessage
+    envelope: Envelope | None = None
+    outcome: Outcome | None = None
+    error: BaseException | None = None
+
+
+@dataclass
+class ShardService:
+    connection: AbstractRobustConnection
+    store: RedisStore
+    signer: Signer
+    shards: list[str]
+    options: ShardOptions = field(default_factory=ShardOptions)
+    clock_ms: Callable[[], int] = now_ms
+    _stopping: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def __post_init__(self) -> None:
+        self.processor = Processor(self.store, self.clock_ms)
+
+    def stop(self) -> None:
+        """Finish the batch in hand, stop consuming, close: SIGTERM drains."""
+        self._stopping.set()
+
+    async def run(self) -> None:
+        await self._wait_for_redis()
+        await self.store.load_library()
+        await asyncio.gather(*(self._serve(shard) for shard in self.shards))
+
+    async def _wait_for_redis(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                await self.store.client.ping()  # type: ignore[misc]
+                return
+            except REDIS_DOWN:
+                log.warning("Redis unreachable; not consuming until it is back")
+                await asyncio.sleep(self.options.redis_retry_s)
+
+    async def _serve(self, shard: str) -> None:
+        while not self._stopping.is_set():
+            channel: AbstractChannel | None = None
+            try:
+                await self._wait_for_redis()
+                channel = await self.connection.channel(publisher_confirms=True, on_return_raises=True)
+                await channel.set_qos(prefetch_count=self.options.prefetch)
+                await self._consume(shard, channel)
+            except REDIS_DOWN as exc:
+                log.warning(
+                    "shard %s: Redis failed (%s); returning deliveries to the queue and waiting", shard, exc
+                )
+            except (aio_pika.exceptions.AMQPError, ConnectionError) as exc:
+                log.warning("shard %s: broker connection trouble (%s); reconnecting", shard, exc)
+                await asyncio.sleep(1.0)
+            finally:
+                if channel is not None and not channel.is_closed:
+                    with contextlib.suppress(Exception):
+                        await channel.close()  # unacked deliveries return to the queue
+
+    async def _consume(self, shard: str, channel: AbstractChannel) -> None:
+        publisher = Publisher(channel, self.signer)
+        queue = await channel.get_queue(names.shard_queue(shard), ensure=False)
+        inbox: asyncio.Queue[AbstractIncomingMessage] = asyncio.Queue()
+        tag = await queue.consume(inbox.put, no_ack=False)
+        await self._relay(shard, publisher)
+        next_relay = time.monotonic() + self.options.relay_interval_s
+        try:
+            while not self._stopping.is_set():
+                timeout = max(0.0, next_relay - time.monotonic())
+                try:
+                    first = await asyncio.wait_for(inbox.get(), timeout=min(timeout, 0.5))
+                except TimeoutError:
+                    if time.monotonic() >= next_relay:
+                        await self._relay(shard, publisher)
+                        next_relay = time.monotonic() + self.options.relay_interval_s
+                    continue
+                batch = [first]
+                while len(batch) < self.options.batch_max and not inbox.empty():
+                    batch.append(inbox.get_nowait())
+                await self._process(shard, batch, publisher)
+        finally:
+            with contextlib.suppress(Exception):
+                await queue.cancel(tag)
+
+    async def _process(self, shard: str, batch: list[AbstractIncomingMessage], publisher: Publisher) -> None:
+        deliveries = [_Delivery(m) for m in batch]
+        crash(self.options, "after-consume")
+        groups: dict[str, list[_Delivery]] = {}
+        for delivery in deliveries:
+            try:
+                delivery.envelope = decode(delivery.message.body, self.signer, self.options.max_message_bytes)
+            except EnvelopeRejected as exc:
+                delivery.outcome = Outcome(rejected=(exc.reason, exc.detail))
+                continue
+            groups.setdefault(delivery.envelope.run_id, []).append(delivery)
+        await asyncio.gather(*(self._run_group(shard, group) for group in groups.values()))
+        await self._settle(shard, deliveries, publisher)
+
+    async def _run_group(self, shard: str, group: list[_Delivery]) -> None:
+        for delivery in group:
+            assert delivery.envelope is not None
+            try:
+                delivery.outcome = await self.processor.handle(shard, delivery.envelope)
+            except REDIS_DOWN:
+                raise  # the whole batch goes back to the queue
+            except Exception as exc:  # a bug, not bad input: requeue; the delivery limit bounds retries
+                log.exception("shard %s: transition for run %s failed", shard, delivery.envelope.run_id)
+                delivery.error = exc
+
+    async def _settle(self, shard: str, deliveries: list[_Delivery], publisher: Publisher) -> None:
+        outgoing: list[Outgoing] = [m for d in deliveries if d.outcome for m in d.outcome.publish]
+        if outgoing:
+            crash(self.options, "after-commit")
+        confirmed = await publisher.publish_all(outgoing, self.clock_ms())
+        if confirmed:
+            crash(self.options, "after-publish")
+        await self.store.mark_sent(shard, confirmed)
+        for delivery in deliveries:
+            outcome = delivery.outcome
+            if outcome is not None and outcome.forward_to and delivery.envelope is not None:
+                await publisher.publish_envelope(delivery.envelope, names.RUNS_EXCHANGE, outcome.forward_to)
+            elif outcome is not None and outcome.rejected:
+                reason, detail = outcome.rejected
+                await publisher.reject(delivery.message.body, reason, detail, names.shard_queue(shard))
+        if all(d.error is None for d in deliveries):
+            await deliveries[-1].message.ack(multiple=True)
+            return
+        for delivery in deliveries:
+            if delivery.error is None:
+                await delivery.message.ack()
+            else:
+                await delivery.message.nack(requeue=True)
+
+    async def _relay(self, shard: str, publisher: Publisher) -> None:
+        """Re-publish outbox entries committed but never confirmed (a crash between commit and publish)."""
+        entries = await self.store.outbox(shard)
+        cutoff = self.clock_ms() - self.options.relay_min_age_ms
+        stale = [outgoing_from_payload(p) for p in entries.values() if int(p.get("at", 0)) <= cutoff]
+        if not stale:
+            return
+        confirmed = await publisher.publish_all(stale, self.clock_ms())
+        await self.store.mark_sent(shard, confirmed)
+        log.info(
+            "shard %s: relay re-published %d of %d unsent outbox entries", shard, len(confirmed), len(stale)
+        )

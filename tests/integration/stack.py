@@ -1,0 +1,207 @@
+"""A whole saga stack on the real services, isolated for one test module.
+
+Isolation: a RabbitMQ vhost of its own (created with rabbitmqctl, deleted after) and a Redis key prefix of
+its own (its keys deleted after), so tests never disturb a demo or a benchmark on the same services.
+Processes: the orchestrator and a worker run as real subprocesses (``python -m orchestrator ...``), so
+they can be killed with SIGKILL and restarted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+import aio_pika
+import redis
+
+from orchestrator.bus.envelope import Envelope, Signer, encode
+from orchestrator.bus.topology import apply_topology, topology_for
+from orchestrator.compiler import compile_text
+from orchestrator.contracts import Registry
+from orchestrator.settings import Settings
+from orchestrator.store.keys import ShardKeys
+from workers.demo.effects import DemoWorld
+
+ROOT = Path(__file__).resolve().parents[2]
+REGISTRY = Registry.from_modules(["workers.demo"])
+
+
+def rabbitmqctl(*args: str) -> str:
+    done = subprocess.run(
+        ["rabbitmqctl", "-q", *args], capture_output=True, text=True, timeout=60, check=False
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"rabbitmqctl {' '.join(args)} failed: {done.stderr.strip()}")
+    return done.stdout
+
+
+def poll(
+    check: Callable[[], Any], timeout_s: float = 30.0, interval_s: float = 0.05, what: str = "condition"
+) -> Any:
+    """Poll until ``check()`` returns something truthy; never sleep-and-hope."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(interval_s)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+class Stack:
+    def __init__(self, name: str) -> None:
+        tag = uuid.uuid4().hex[:8]
+        self.vhost = f"saga-test-{name}-{tag}"
+        self.prefix = f"sagatest{tag}"
+        self.env = {
+            **os.environ,
+            "SAGA_AMQP_URL": f"amqp://guest:guest@127.0.0.1:5672/{quote(self.vhost, safe='')}",
+            "SAGA_REDIS_URL": "redis://127.0.0.1:6379/0",
+            "SAGA_KEY_PREFIX": self.prefix,
+            "SAGA_SHARD_COUNT": "2",
+            "PYTHONUNBUFFERED": "1",
+        }
+        self.settings = Settings(
+            amqp_url=self.env["SAGA_AMQP_URL"],
+            redis_url=self.env["SAGA_REDIS_URL"],
+            key_prefix=self.prefix,
+            shard_count=2,
+        )
+        self.redis = redis.Redis.from_url(self.settings.redis_url, decode_responses=True)
+        self.world = DemoWorld(self.redis, self.prefix)
+        self.signer = Signer.from_settings(self.settings.signing_keys)
+        self.processes: dict[str, subprocess.Popen[bytes]] = {}
+        self.logs = Path(f"/tmp/{self.vhost}")
+        self.logs.mkdir(parents=True, exist_ok=True)
+
+    # ---- lifecycle ---------------------------------------------------------------------------------
+
+    def setup(self) -> None:
+        rabbitmqctl("add_vhost", self.vhost)
+        rabbitmqctl("set_permissions", "-p", self.vhost, "guest", ".*", ".*", ".*")
+        asyncio.run(self._apply_topology())
+        for path in sorted((ROOT / "definitions").glob("*.yaml")):
+            plan = compile_text(path.read_bytes(), str(path), REGISTRY)
+            body = json.dumps({"plan": plan.plan, "versions": plan.versions}, sort_keys=True)
+            self.redis.set(f"{self.prefix}:{{plans}}:plan:{plan.digest}", body)
+            self.redis.set(f"{self.prefix}:{{plans}}:active:{plan.name}", plan.digest)
+
+    async def _apply_topology(self) -> None:
+        connection = await aio_pika.connect(self.settings.amqp_url)
+        try:
+            await apply_topology(await connection.channel(), topology_for(self.settings, REGISTRY))
+        finally:
+            await connection.close()
+
+    def teardown(self) -> None:
+        for name in list(self.processes):
+            self.stop(name)
+        try:
+            rabbitmqctl("delete_vhost", self.vhost)
+        finally:
+            keys = list(self.redis.scan_iter(match=f"{self.prefix}:*", count=1000))
+            for i in range(0, len(keys), 500):
+                self.redis.delete(*keys[i : i + 500])
+            self.redis.close()
+
+    def start_orchestrator(
+        self, name: str = "orchestrator", *args: str, extra_env: dict[str, str] | None = None
+    ) -> None:
+        self._spawn(name, ["orchestrator", *args], extra_env)
+
+    def start_worker(self, name: str = "worker", *args: str, extra_env: dict[str, str] | None = None) -> None:
+        self._spawn(name, ["worker", "--concurrency", "16", *args], extra_env)
+
+    def _spawn(self, name: str, args: list[str], extra_env: dict[str, str] | None) -> None:
+        log = (self.logs / f"{name}.log").open("ab")
+        self.processes[name] = subprocess.Popen(
+            [sys.executable, "-m", "orchestrator", *args, "-v"],
+            cwd=ROOT,
+            env={**self.env, **(extra_env or {})},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+
+    def stop(self, name: str, sig: int = signal.SIGTERM) -> int:
+        process = self.processes.pop(name)
+        if process.poll() is None:
+            process.send_signal(sig)
+        try:
+            return process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            return process.wait(timeout=10)
+
+    def wait_exit(self, name: str, timeout_s: float = 30.0) -> int:
+        process = self.processes.pop(name)
+        return process.wait(timeout=timeout_s)
+
+    def log(self, name: str) -> str:
+        path = self.logs / f"{name}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    # ---- inspection --------------------------------------------------------------------------------
+
+    def shard_of(self, run_id: str) -> str | None:
+        return self.redis.get(f"{self.prefix}:index:{{{run_id}}}")  # type: ignore[return-value]
+
+    def record(self, run_id: str) -> dict[str, str]:
+        shard = self.shard_of(run_id)
+        return self.redis.hgetall(ShardKeys(self.prefix, shard).run(run_id)) if shard else {}  # type: ignore[return-value]
+
+    def history(self, run_id: str) -> list[dict[str, Any]]:
+        shard = self.shard_of(run_id)
+        if not shard:
+            return []
+        rows = self.redis.xrange(ShardKeys(self.prefix, shard).history(run_id))
+        return [{**f, "detail": json.loads(f["detail"])} for _, f in rows]  # type: ignore[union-attr]
+
+    def wait_finished(self, run_id: str, timeout_s: float = 60.0) -> dict[str, str]:
+        return poll(
+            lambda: (r := self.record(run_id)) and r.get("status") in ("completed", "failed") and r,
+            timeout_s,
+            what=f"run {run_id} to finish",
+        )  # type: ignore[no-any-return]
+
+    def outbox(self, shard: str) -> dict[str, str]:
+        return self.redis.hgetall(ShardKeys(self.prefix, shard).outbox())  # type: ignore[return-value]
+
+    def queue_depths(self) -> dict[str, int]:
+        out = rabbitmqctl("list_queues", "-p", self.vhost, "name", "messages")
+        depths = {}
+        for line in out.splitlines():
+            parts = line.split()
+            if len(parts) == 2 and parts[1].isdigit():
+                depths[parts[0]] = int(parts[1])
+        return depths
+
+    # ---- publishing as a service (or an attacker) would --------------------------------------------
+
+    def publish_raw(self, exchange: str, routing_key: str, body: bytes) -> None:
+        async def go() -> None:
+            connection = await aio_pika.connect(self.settings.amqp_url)
+            try:
+                channel = await connection.channel(publisher_confirms=True)
+                target = await channel.get_exchange(exchange, ensure=False)
+                await target.publish(
+                    aio_pika.Message(body, delivery_mode=aio_pika.DeliveryMode.PERSISTENT),
+                    routing_key=routing_key,
+                    mandatory=True,
+                )
+            finally:
+                await connection.close()
+
+        asyncio.run(go())
+
+    def publish_envelope(self, envelope: Envelope, exchange: str, routing_key: str) -> None:
+        self.publish_raw(exchange, routing_key, encode(self.signer.sign(envelope)))

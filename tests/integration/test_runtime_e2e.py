@@ -1,0 +1,275 @@
+"""End-to-end runs on the real RabbitMQ and Redis: orchestrator and worker as real processes."""
+
+from __future__ import annotations
+
+import json
+import signal
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from orchestrator.bus import names
+from orchestrator.bus.envelope import Envelope, Kind
+from orchestrator.client import SyncClient, run_id_for
+from tests.integration.stack import Stack, poll
+
+pytestmark = pytest.mark.services
+
+
+@pytest.fixture(scope="module")
+def stack() -> Iterator[Stack]:
+    s = Stack("e2e")
+    s.setup()
+    s.start_orchestrator()
+    s.start_worker()
+    try:
+        yield s
+    finally:
+        s.teardown()
+
+
+@pytest.fixture(scope="module")
+def client(stack: Stack) -> Iterator[SyncClient]:
+    with SyncClient(stack.settings) as c:
+        yield c
+
+
+def kinds(stack: Stack, run_id: str) -> list[str]:
+    return [e["kind"] for e in stack.history(run_id)]
+
+
+def test_model_ingest_cache_miss_completes_with_output(stack: Stack, client: SyncClient) -> None:
+    # Given a published model-ingest and running processes
+    # When a service starts a run for a model the cache does not hold
+    run_id = client.start("model-ingest", {"modelId": "miss-1"})
+    result = client.wait(run_id, timeout_s=30)
+    # Then it completes with its output, through render, both branches, the join and publish
+    assert result.state == "completed", result
+    assert result.output == {"modelId": "miss-1", "catalogueId": "cat-miss-1"}
+    history = kinds(stack, run_id)
+    for kind in (
+        "run.started",
+        "stage.dispatched",
+        "decision.taken",
+        "fork.released",
+        "join.released",
+        "intent.set",
+        "finaliser.completed",
+        "run.completed",
+    ):
+        assert kind in history, (kind, history)
+    assert history.count("join.released") == 1
+    status = client.status(run_id)
+    assert status["stages"]["render-thumbnail"] == {"state": "completed", "attempt": 1}
+
+
+def test_model_ingest_cache_hit_skips_rendering(stack: Stack, client: SyncClient) -> None:
+    run_id = client.start("model-ingest", {"modelId": "cached-7"})
+    result = client.wait(run_id, timeout_s=30)
+    assert result.state == "completed"
+    assert result.output == {"modelId": "cached-7", "catalogueId": "cat-cached-7"}
+    stages = client.status(run_id)["stages"]
+    assert "render-thumbnail" not in stages and "derive-join" not in stages
+    assert stages["publish"]["state"] == "completed"
+
+
+def test_failing_worker_stage_fails_the_run_and_runs_the_finaliser(stack: Stack, client: SyncClient) -> None:
+    # Given render fails for this model
+    stack.world.set_fault("broken-1", "thumbnail.render", fail=True)
+    run_id = client.start("model-ingest", {"modelId": "broken-1"})
+    result = client.wait(run_id, timeout_s=30)
+    # Then the run is failed, with the reason, and the audit finaliser still ran
+    assert result.state == "failed"
+    assert "render-thumbnail" in (result.reason or "")
+    history = kinds(stack, run_id)
+    assert "stage.failed" in history and "finaliser.completed" in history and history[-1] == "run.failed"
+    assert "publish" not in client.status(run_id)["stages"]
+
+
+def test_failing_finaliser_turns_a_completed_intent_into_failed(stack: Stack, client: SyncClient) -> None:
+    key = "finaliser-fails"
+    run_id = run_id_for("model-ingest", key)
+    stack.world.set_fault(run_id, "audit.run-terminal", fail=True)  # the audit finaliser keys faults by run
+    client.start("model-ingest", {"modelId": "fine-1"}, idempotency_key=key)
+    result = client.wait(run_id, timeout_s=30)
+    assert result.state == "failed"
+    record = stack.record(run_id)
+    assert record["intent"] == "completed"  # the intent was completed ...
+    assert "finaliser.failed" in kinds(stack, run_id)  # ... but the finaliser failed, and that is retained
+
+
+def test_fork_branch_failure_cancels_the_sibling_and_records_its_late_completion(
+    stack: Stack, client: SyncClient
+) -> None:
+    # Given semantic analysis fails at once while technical metadata is still working
+    stack.world.set_fault("fork-1", "semantic.analyse", fail=True)
+    stack.world.set_fault("fork-1", "metadata.extract", delay_ms=800)
+    run_id = client.start("model-ingest", {"modelId": "fork-1"})
+    assert client.wait(run_id, timeout_s=30).state == "failed"
+    # Then cancellation of the active sibling was requested, and its later result is recorded as late
+    history = stack.history(run_id)
+    requested = [e for e in history if e["kind"] == "cancellation.requested"]
+    assert [e["stage"] for e in requested] == ["technical-metadata"]
+    late = poll(
+        lambda: [
+            e
+            for e in stack.history(run_id)
+            if e["kind"] == "callback.rejected" and e["detail"].get("reason") == "late"
+        ],
+        10,
+        what="the late completion",
+    )
+    assert late[0]["stage"] == "technical-metadata"
+    assert stack.record(run_id)["s:technical-metadata:status"] == "cancelled"
+    assert not any(e["kind"] == "join.released" for e in stack.history(run_id))
+
+
+def test_bag_of_1000_items_joins_once_with_results_in_order(stack: Stack, client: SyncClient) -> None:
+    ids = [f"item-{i:04d}" for i in range(1000)]
+    run_id = client.start("thumbnail-batch", {"modelIds": ids})
+    result = client.wait(run_id, timeout_s=120)
+    assert result.state == "completed"
+    assert result.output["count"] == 1000
+    assert result.output["thumbnails"] == [f"thumbs/{i}.png" for i in ids]
+    history = kinds(stack, run_id)
+    assert history.count("stage.completed") == 1  # the map completed exactly once
+    assert stack.world.effect_counts().get("thumbnail.render", 0) >= 1000
+
+
+def test_same_idempotency_key_starts_one_run(stack: Stack, client: SyncClient) -> None:
+    first = client.start("ingest-triage", {"sizeMb": 1, "format": "glb"}, idempotency_key="once")
+    second = client.start("ingest-triage", {"sizeMb": 1, "format": "glb"}, idempotency_key="once")
+    assert first == second
+    assert client.wait(first, timeout_s=30).state == "completed"
+    history = kinds(stack, first)
+    assert history.count("run.started") == 1
+    poll(lambda: kinds(stack, first).count("callback.rejected") == 1, 10, what="the duplicate start recorded")
+
+
+def test_forged_and_oversized_messages_never_touch_a_live_run(stack: Stack, client: SyncClient) -> None:
+    # Given a run waiting on a slow render
+    stack.world.set_fault("forged-1", "thumbnail.render", delay_ms=600)
+    run_id = client.start("model-ingest", {"modelId": "forged-1"})
+    poll(
+        lambda: stack.record(run_id).get("s:render-thumbnail:status") == "queued",
+        10,
+        what="render dispatched",
+    )
+    record = stack.record(run_id)
+    shard = record["shard"]
+    fence = record["s:render-thumbnail:fence"]
+    # When an attacker publishes a completion signed with the wrong key, and an oversized one
+    forged = Envelope(
+        kind=Kind.RESULT,
+        message_id="forged",
+        run_id=run_id,
+        shard=shard,
+        stage="render-thumbnail",
+        attempt=1,
+        fence=fence,
+        key_id="dev",
+        body={"ok": True, "result": {"thumbnailUri": "evil"}},
+        signature="0" * 64,
+    )
+    stack.publish_raw(names.RUNS_EXCHANGE, shard, forged.model_dump_json().encode())
+    stack.publish_raw(names.RUNS_EXCHANGE, shard, b"{" + b" " * 2_000_000 + b"}")
+    stack.publish_raw(names.RUNS_EXCHANGE, shard, b"not json at all")
+    # Then the run completes normally with the worker's real result
+    assert client.wait(run_id, timeout_s=30).state == "completed"
+    result = json.loads(stack.record(run_id)["s:render-thumbnail:result"])
+    assert result == {"thumbnailUri": "thumbs/forged-1.png"}
+    assert all(e["kind"] != "callback.rejected" for e in stack.history(run_id))  # no write at all
+    depths = poll(
+        lambda: (d := stack.queue_depths()).get(names.REJECTED_QUEUE, 0) >= 3 and d,
+        10,
+        what="rejections parked",
+    )
+    assert depths[names.REJECTED_QUEUE] >= 3
+
+
+def test_duplicate_stale_and_reordered_completions_change_nothing(stack: Stack, client: SyncClient) -> None:
+    # Given a live run whose join has released and whose publish is still working
+    stack.world.set_fault("storm-1", "catalogue.publish", delay_ms=1500)
+    run_id = client.start("model-ingest", {"modelId": "storm-1"})
+    poll(lambda: stack.record(run_id).get("s:publish:status") == "queued", 20, what="publish dispatched")
+    before = stack.record(run_id)
+    shard = before["shard"]
+
+    def result(stage: str, fence: str, value: object, mid: str) -> Envelope:
+        return Envelope(
+            kind=Kind.RESULT,
+            message_id=mid,
+            run_id=run_id,
+            shard=shard,
+            stage=stage,
+            attempt=1,
+            fence=fence,
+            body={"ok": True, "result": value},
+        )
+
+    # When completions are replayed straight onto the shard queue: reordered, duplicated (a new id and
+    # a re-sent id), and one from a stale fence
+    storm = [
+        result("technical-metadata", "1.1", {"faces": 1, "vertices": 1}, "replay-tm"),
+        result("semantic-analysis", "1.1", {"tags": ["x"]}, "replay-sa"),
+        result("semantic-analysis", "1.1", {"tags": ["y"]}, "replay-sa"),
+        result("render-thumbnail", "0.9", {"thumbnailUri": "old"}, "stale-render"),
+    ]
+    for envelope in reversed(storm):
+        stack.publish_envelope(envelope, names.RUNS_EXCHANGE, shard)
+    rejected = poll(
+        lambda: (
+            [e for e in stack.history(run_id) if e["kind"] == "callback.rejected"]
+            if sum(e["kind"] == "callback.rejected" for e in stack.history(run_id)) >= 4
+            else None
+        ),
+        15,
+        what="all four recorded as rejected",
+    )
+    reasons = sorted(e["detail"]["reason"] for e in rejected)
+    assert reasons == ["duplicate", "duplicate", "duplicate", "stale"], reasons
+    # Then no result changed and the join released once; the run completes normally
+    after = stack.record(run_id)
+    for stage in ("technical-metadata", "semantic-analysis", "render-thumbnail"):
+        assert after[f"s:{stage}:result"] == before[f"s:{stage}:result"]
+    assert client.wait(run_id, timeout_s=30).state == "completed"
+    assert kinds(stack, run_id).count("join.released") == 1
+
+
+def test_many_concurrent_runs_complete_with_one_effect_per_stage(stack: Stack, client: SyncClient) -> None:
+    before = stack.world.effect_counts()
+    with ThreadPoolExecutor(8) as pool:
+        run_ids = list(
+            pool.map(
+                lambda i: SyncClient(stack.settings).start("model-ingest", {"modelId": f"c-{i}"}), range(200)
+            )
+        )
+    for run_id in run_ids:
+        assert client.wait(run_id, timeout_s=120).state == "completed"
+    after = stack.world.effect_counts()
+    for contract in (
+        "cache.lookup",
+        "thumbnail.render",
+        "semantic.analyse",
+        "metadata.extract",
+        "catalogue.publish",
+        "audit.run-terminal",
+    ):
+        assert after.get(contract, 0) - before.get(contract, 0) == 200, contract
+
+
+def test_kill_9_between_commit_and_publish_loses_nothing(stack: Stack, client: SyncClient) -> None:
+    # Given the orchestrator will die right after its first Lua commit that causes messages
+    stack.stop("orchestrator")
+    stack.start_orchestrator("crashing", extra_env={"SAGA_CRASH_POINTS": "after-commit"})
+    run_id = client.start("model-ingest", {"modelId": "crash-1"})
+    assert stack.wait_exit("crashing", timeout_s=30) == -signal.SIGKILL
+    # The transition committed, its messages sit unsent in the outbox
+    shard = poll(lambda: stack.shard_of(run_id), 10, what="the run's shard")
+    assert stack.outbox(shard), "the committed transition's messages are in the outbox"
+    # When a healthy orchestrator starts, its relay re-publishes them and the redelivered start is a duplicate
+    stack.start_orchestrator()
+    assert client.wait(run_id, timeout_s=60).state == "completed"
+    poll(lambda: not stack.outbox(shard), 15, what="the outbox to drain")
+    assert kinds(stack, run_id).count("run.started") == 1
