@@ -9,6 +9,7 @@ then sees the newer state (typically: a duplicate or a late callback, recorded a
 from __future__ import annotations
 
 import json
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +22,7 @@ from orchestrator.engine.model import (
     Event,
     FinaliserResult,
     Outgoing,
+    RunSnapshot,
     StageResult,
     StartRun,
     Verdict,
@@ -44,6 +46,65 @@ class Processor:
     def __init__(self, store: RedisStore, clock_ms: Callable[[], int]) -> None:
         self.store = store
         self.clock_ms = clock_ms
+
+    async def handle_batch(self, shard: str, envelopes: list[Envelope]) -> list[Outcome]:
+        """Handle a batch with few round trips: runs advance in rounds (a run's own messages stay in
+        order, one per round), each round reading every snapshot in one pipeline and applying every
+        transition in another. A conflict falls back to the one-at-a-time path for that message."""
+        outcomes: list[Outcome | None] = [None] * len(envelopes)
+        pending: dict[str, deque[int]] = {}
+        for i, envelope in enumerate(envelopes):
+            pending.setdefault(envelope.run_id, deque()).append(i)
+        while pending:
+            this_round = [queue.popleft() for queue in pending.values()]
+            pending = {run: queue for run, queue in pending.items() if queue}
+            await self._round(shard, this_round, envelopes, outcomes)
+        return [o if o is not None else Outcome() for o in outcomes]
+
+    async def _round(
+        self, shard: str, indices: list[int], envelopes: list[Envelope], outcomes: list[Outcome | None]
+    ) -> None:
+        batched = [
+            i
+            for i in indices
+            if envelopes[i].kind in (Kind.RESULT, Kind.RELEASE)
+            and (not envelopes[i].shard or envelopes[i].shard == shard)
+        ]
+        for i in indices:
+            if i not in batched:
+                outcomes[i] = await self.handle(shard, envelopes[i])
+        if not batched:
+            return
+        snapshots = await self.store.snapshots(shard, [(envelopes[i].run_id, None) for i in batched])
+        ready: list[tuple[int, Event, dict[str, Any], Decision]] = []
+        now = self.clock_ms()
+        for i, snapshot in zip(batched, snapshots, strict=True):
+            event = _event(envelopes[i])
+            if (
+                snapshot is None
+                or event is None
+                or _needs_map_results(event, await self.store.plan(snapshot.digest))
+            ):
+                outcomes[i] = await self.handle(shard, envelopes[i])  # the careful path handles it
+                continue
+            plan = await self.store.plan(snapshot.digest)
+            ready.append((i, event, plan, advance(plan, snapshot.digest, snapshot, event, now)))
+        if not ready:
+            return
+        results = await self.store.apply_many(
+            shard,
+            [(envelopes[i].run_id, event.message_id, decision, plan) for i, event, plan, decision in ready],
+            now,
+        )
+        for (i, _, _, decision), result in zip(ready, results, strict=True):
+            if result.code == CONFLICT:
+                outcomes[i] = await self.handle(shard, envelopes[i])
+            elif result.code == NO_RUN:
+                outcomes[i] = Outcome(rejected=("unknown-run", f"run {envelopes[i].run_id} does not exist"))
+            else:
+                outcomes[i] = Outcome(
+                    publish=_to_publish(decision, result.code, result.detail), verdict=decision.verdict
+                )
 
     async def handle(self, shard: str, envelope: Envelope) -> Outcome:
         if envelope.kind is Kind.START:
@@ -86,13 +147,25 @@ class Processor:
             return Outcome(rejected=("malformed", f"a {envelope.kind.value} must name stage and fence"))
         stage = plan["stages"].get(getattr(event, "stage", ""), {})
         map_stage = event.stage if isinstance(event, BarrierReleased) and stage.get("type") == "map" else None
-        return await self._decide(shard, envelope.run_id, event, plan, snapshot.digest, map_stage)
+        first = snapshot if map_stage is None else None
+        return await self._decide(shard, envelope.run_id, event, plan, snapshot.digest, map_stage, first)
 
     async def _decide(
-        self, shard: str, run_id: str, event: Event, plan: dict[str, Any], digest: str, map_stage: str | None
+        self,
+        shard: str,
+        run_id: str,
+        event: Event,
+        plan: dict[str, Any],
+        digest: str,
+        map_stage: str | None,
+        first: RunSnapshot | None = None,
     ) -> Outcome:
-        for _ in range(MAX_CONFLICT_RETRIES):
-            snapshot = await self.store.snapshot(shard, run_id, map_stage)
+        for attempt in range(MAX_CONFLICT_RETRIES):
+            snapshot = (
+                first
+                if attempt == 0 and first is not None
+                else await self.store.snapshot(shard, run_id, map_stage)
+            )
             now = self.clock_ms()
             decision = advance(plan, digest, snapshot, event, now)
             if snapshot is None and not decision.create:
@@ -108,6 +181,12 @@ class Processor:
                 publish=_to_publish(decision, result.code, result.detail), verdict=decision.verdict
             )
         raise RuntimeError(f"run {run_id}: {MAX_CONFLICT_RETRIES} conflicting writes in a row; giving up")
+
+
+def _needs_map_results(event: Event, plan: dict[str, Any]) -> bool:
+    if not isinstance(event, BarrierReleased):
+        return False
+    return bool(plan["stages"].get(event.stage, {}).get("type") == "map")
 
 
 def _to_publish(decision: Decision, code: int, detail: str) -> list[Outgoing]:

@@ -29,7 +29,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from orchestrator.bus import names
 from orchestrator.bus.envelope import Envelope, EnvelopeRejected, Signer, decode
-from orchestrator.bus.publisher import Publisher, outgoing_from_payload
+from orchestrator.bus.publisher import Publisher, envelope_for, outgoing_from_payload
 from orchestrator.engine.model import Outgoing
 from orchestrator.shard.processor import Outcome, Processor
 from orchestrator.store.redis_store import RedisStore
@@ -150,16 +150,47 @@ class ShardService:
     async def _process(self, shard: str, batch: list[AbstractIncomingMessage], publisher: Publisher) -> None:
         deliveries = [_Delivery(m) for m in batch]
         crash(self.options, "after-consume")
-        groups: dict[str, list[_Delivery]] = {}
+        valid: list[_Delivery] = []
         for delivery in deliveries:
             try:
                 delivery.envelope = decode(delivery.message.body, self.signer, self.options.max_message_bytes)
             except EnvelopeRejected as exc:
                 delivery.outcome = Outcome(rejected=(exc.reason, exc.detail))
                 continue
-            groups.setdefault(delivery.envelope.run_id, []).append(delivery)
-        await asyncio.gather(*(self._run_group(shard, group) for group in groups.values()))
+            valid.append(delivery)
+        try:
+            outcomes = await self.processor.handle_batch(shard, [d.envelope for d in valid if d.envelope])
+            for delivery, outcome in zip(valid, outcomes, strict=True):
+                delivery.outcome = outcome
+        except REDIS_DOWN:
+            raise  # the whole batch goes back to the queue
+        except Exception:  # isolate the failing message: one at a time, so only it is requeued
+            log.exception("shard %s: batch failed; handling its messages one by one", shard)
+            groups: dict[str, list[_Delivery]] = {}
+            for delivery in valid:
+                groups.setdefault(delivery.envelope.run_id if delivery.envelope else "", []).append(delivery)
+            await asyncio.gather(*(self._run_group(shard, group) for group in groups.values()))
         await self._settle(shard, deliveries, publisher)
+
+    async def _continue_locally(
+        self, shard: str, outgoing: list[Outgoing]
+    ) -> tuple[list[Outgoing], list[str]]:
+        """Apply continuations addressed to this very shard (barrier releases) here and now instead of a
+        round trip through the broker. They stay in the outbox until applied, so a crash in between
+        leaves them for the relay, and the id makes a re-published one a recognised duplicate."""
+        done: list[str] = []
+        for _ in range(
+            8
+        ):  # a release can cause another (nested joins); bounded, the rest goes via the broker
+            local = [m for m in outgoing if m.route == ("shard", shard) and m.kind == "barrier.released"]
+            if not local:
+                break
+            outgoing = [m for m in outgoing if m not in local]
+            envelopes = [envelope_for(m, self.signer, self.clock_ms()) for m in local]
+            outcomes = await self.processor.handle_batch(shard, envelopes)
+            done += [m.message_id for m in local]
+            outgoing += [m for o in outcomes for m in o.publish]
+        return outgoing, done
 
     async def _run_group(self, shard: str, group: list[_Delivery]) -> None:
         for delivery in group:
@@ -176,10 +207,11 @@ class ShardService:
         outgoing: list[Outgoing] = [m for d in deliveries if d.outcome for m in d.outcome.publish]
         if outgoing:
             crash(self.options, "after-commit")
+        outgoing, done_locally = await self._continue_locally(shard, outgoing)
         confirmed = await publisher.publish_all(outgoing, self.clock_ms())
         if confirmed:
             crash(self.options, "after-publish")
-        await self.store.mark_sent(shard, confirmed)
+        await self.store.mark_sent(shard, confirmed + done_locally)
         for delivery in deliveries:
             outcome = delivery.outcome
             if outcome is not None and outcome.forward_to and delivery.envelope is not None:

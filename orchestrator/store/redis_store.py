@@ -90,6 +90,56 @@ class RedisStore:
             maps[map_stage] = ordered_items(_text(members))
         return snapshot_from_record(_text(record), maps)
 
+    async def snapshots(self, shard: str, wanted: list[tuple[str, str | None]]) -> list[RunSnapshot | None]:
+        """Many snapshots in one round trip: ``wanted`` is (run id, map stage to load results of)."""
+        keys = self.keys(shard)
+        async with self.client.pipeline(transaction=False) as pipe:
+            for run_id, map_stage in wanted:
+                pipe.hgetall(keys.run(run_id))
+                if map_stage is not None:
+                    pipe.hgetall(keys.barrier(run_id, map_stage))
+            replies = iter(await pipe.execute())
+        found: list[RunSnapshot | None] = []
+        for _, map_stage in wanted:
+            record = next(replies)
+            members = next(replies) if map_stage is not None else None
+            if not record:
+                found.append(None)
+                continue
+            maps = {map_stage: ordered_items(_text(members))} if map_stage is not None and members else {}
+            found.append(snapshot_from_record(_text(record), maps))
+        return found
+
+    async def apply_many(
+        self, shard: str, transitions: list[tuple[str, str, Decision, Mapping[str, Any]]], now_ms: int
+    ) -> list[ApplyResult]:
+        """Many transitions (of different runs) pipelined: each is still its own atomic FCALL."""
+        calls = []
+        for run_id, message_id, decision, plan in transitions:
+            barriers = barrier_stages(plan)
+            spec = build_spec(
+                decision,
+                run_id=run_id,
+                message_id=message_id,
+                now_ms=now_ms,
+                barriers=barriers,
+                retention_ms=self.retention_ms,
+            )
+            calls.append((spec, self.keys(shard).transition_keys(run_id, barriers)))
+        async with self.client.pipeline(transaction=False) as pipe:
+            for spec, keys in calls:
+                pipe.fcall(spec.function, len(keys), *keys, spec.encode())
+            replies = await pipe.execute(raise_on_error=False)
+        results = []
+        for (spec, keys), reply in zip(calls, replies, strict=True):
+            answer = reply
+            if isinstance(reply, ResponseError):
+                if "function not found" not in str(reply).lower():
+                    raise reply
+                answer = await self._fcall(spec, keys)  # reloads the library and retries this one
+            results.append(ApplyResult(int(answer[0]), _str(answer[1])))
+        return results
+
     async def apply(
         self,
         shard: str,
