@@ -196,7 +196,7 @@ class Client:
                 if RunStatus(state) in TERMINAL_RUN_STATUSES:
                     return RunResult(run_id, state, document["output"], document["reason"])
             await asyncio.sleep(poll_s)
-            poll_s = min(poll_s * 1.5, 0.25)
+            poll_s = min(poll_s * 1.2, 0.1)
         raise WaitTimeout(run_id, state, timeout_s)
 
 
@@ -267,5 +267,5 @@ class SyncClient:
             except RunNotFound:
                 pass
             time.sleep(poll_s)
-            poll_s = min(poll_s * 1.5, 0.25)
+            poll_s = min(poll_s * 1.2, 0.1)
         raise WaitTimeout(run_id, state, timeout_s)

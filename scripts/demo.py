@@ -1,40 +1,198 @@
-"""The main job, for now: validate and compile every definition, then show the model-ingest plan.
+"""The main job: run model-ingest end to end on RabbitMQ and Redis, with a live stage table.
 
-Run it with `make demo`. Each step is a real `saga` command, echoed before it runs, so you can repeat
-any of them by hand. (Running definitions end to end arrives with the runtime.)
+`make demo` runs it. It validates and publishes the definitions, declares the broker topology, starts an
+orchestrator and a worker pool as real processes, starts one model-ingest run (the demo workers are slowed
+down a little so you can watch), shows each stage as it moves, then prints the run's output and history.
+Every step is also a `saga` command you can run by hand; they are listed at the end.
+
+Settings come from SAGA_* variables (defaults: RabbitMQ and Redis on 127.0.0.1, key prefix `sagademo`).
 """
 
 from __future__ import annotations
 
-import glob
+import asyncio
+import os
 import subprocess
 import sys
+import time
+import uuid
 from pathlib import Path
+from typing import Any
+
+import aio_pika
+import redis
+import redis.asyncio as aioredis
+
+from orchestrator.bus.topology import apply_topology, topology_for
+from orchestrator.client import Client
+from orchestrator.compiler import compile_text
+from orchestrator.contracts import Registry
+from orchestrator.settings import Settings
+from orchestrator.store.redis_store import RedisStore
+from workers.demo.effects import DemoWorld
 
 ROOT = Path(__file__).resolve().parent.parent
-SAGA = [sys.executable, "-m", "orchestrator"]
+LOGS = ROOT / ".demo"
+STAGES = [
+    "cache-lookup",
+    "cache-route",
+    "render-thumbnail",
+    "derive-fork",
+    "semantic-analysis",
+    "technical-metadata",
+    "derive-join",
+    "publish",
+]
+SLOW_MS = {
+    "thumbnail.render": 700,
+    "semantic.analyse": 900,
+    "metadata.extract": 500,
+    "catalogue.publish": 300,
+}
+ICONS = {"queued": "…", "running": "▶", "completed": "✔", "failed": "✘", "cancelled": "⊘", "-": " "}
 
 
-def run(*args: str) -> None:
-    print(f"\n$ saga {' '.join(args)}", flush=True)
-    done = subprocess.run([*SAGA, *args], cwd=ROOT, check=False)
-    if done.returncode != 0:
-        sys.exit(f"demo: 'saga {' '.join(args)}' failed with exit code {done.returncode}")
+def check_services(settings: Settings) -> None:
+    problems = []
+    try:
+        redis.Redis.from_url(settings.redis_url, socket_connect_timeout=2).ping()
+    except redis.RedisError as exc:
+        problems.append(f"Redis at {settings.redis_url}: {exc}")
+
+    async def amqp() -> None:
+        connection = await aio_pika.connect(settings.amqp_url, timeout=3)
+        await connection.close()
+
+    try:
+        asyncio.run(amqp())
+    except Exception as exc:
+        problems.append(f"RabbitMQ: {exc}")
+    if problems:
+        sys.exit(
+            "demo: cannot reach the services it needs:\n  "
+            + "\n  ".join(problems)
+            + "\nStart them (docker compose up -d rabbitmq redis, or see README), then run make demo again."
+        )
+
+
+def prepare(settings: Settings, registry: Registry) -> None:
+    print("▸ validating and publishing definitions/*.yaml")
+    plans = [
+        compile_text(p.read_bytes(), str(p.relative_to(ROOT)), registry)
+        for p in sorted((ROOT / "definitions").glob("*.yaml"))
+    ]
+
+    async def go() -> None:
+        connection = await aio_pika.connect(settings.amqp_url)
+        try:
+            await apply_topology(await connection.channel(), topology_for(settings, registry))
+        finally:
+            await connection.close()
+        client = aioredis.Redis.from_url(settings.redis_url)
+        store = RedisStore(client, settings.key_prefix)
+        for plan in plans:
+            await store.save_plan(plan.digest, plan.plan, plan.versions)
+            await store.activate(plan.name, plan.digest)
+            print(f"  {plan.name:<20} {plan.version:<8} {plan.digest[:23]}…")
+        await client.aclose()
+
+    asyncio.run(go())
+    print("▸ broker topology declared (shard queues, task queues, dead-letter queues)")
+
+
+def spawn(name: str, args: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+    LOGS.mkdir(exist_ok=True)
+    log = (LOGS / f"{name}.log").open("wb")
+    return subprocess.Popen(
+        [sys.executable, "-m", "orchestrator", *args], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
+    )
+
+
+class Table:
+    """A live stage table: redrawn in place on a terminal, printed once per change otherwise."""
+
+    def __init__(self) -> None:
+        self.tty = sys.stdout.isatty()
+        self.drawn = 0
+        self.last: list[str] = []
+
+    def show(self, status: dict[str, Any] | None, elapsed_s: float) -> None:
+        stages = (status or {}).get("stages", {})
+        state = (status or {}).get("state", "pending")
+        rows = []
+        for name in STAGES:
+            stage_state = stages.get(name, {}).get("state", "-")
+            rows.append(
+                f"   {ICONS.get(stage_state, '?')} {name:<20} {stage_state if stage_state != '-' else ''}"
+            )
+        header = f"  run {(status or {}).get('run_id', '…')}   state: {state}"
+        if not self.tty:
+            if rows != self.last:
+                print(f"{header}  (+{elapsed_s:.1f} s)\n" + "\n".join(rows), flush=True)
+            self.last = rows
+            return
+        lines = [f"{header:<60} {elapsed_s:5.1f} s", *rows]
+        if self.drawn:
+            sys.stdout.write(f"\x1b[{self.drawn}F")
+        sys.stdout.write("\n".join(f"{line}\x1b[K" for line in lines) + "\n")
+        sys.stdout.flush()
+        self.drawn = len(lines)
+
+
+async def run_one(settings: Settings) -> dict[str, Any]:
+    model_id = f"model-{uuid.uuid4().hex[:6]}"
+    world = DemoWorld(redis.Redis.from_url(settings.redis_url, decode_responses=True), settings.key_prefix)
+    for contract, delay in SLOW_MS.items():  # slow the demo workers down so the table has time to move
+        world.set_fault(model_id, contract, delay_ms=delay)
+    async with Client(settings) as client:
+        print(f"\n▸ starting model-ingest for {model_id}")
+        run_id = await client.start("model-ingest", {"modelId": model_id})
+        started = time.monotonic()
+        status: dict[str, Any] | None = None
+        table = Table()
+        table.show(status, 0.0)
+        while status is None or status["state"] not in ("completed", "failed"):
+            await asyncio.sleep(0.1)
+            try:
+                status = await client.status(run_id)
+            except Exception:
+                status = None
+            if time.monotonic() - started > 60:
+                sys.exit(f"demo: run {run_id} did not finish in 60 s; see .demo/*.log")
+            table.show(status, time.monotonic() - started)
+        return status
 
 
 def main() -> None:
-    definitions = sorted(glob.glob("definitions/*.yaml", root_dir=ROOT))
-    run("contracts", "list")
-    run("validate", *definitions)
-    for path in definitions:
-        run("compile", path)
-    run("graph", "definitions/model-ingest.yaml")
-    print(
-        "\nWhat to try next:\n"
-        "  paste the graph above into https://mermaid.live to see it drawn\n"
-        "  .venv/bin/saga compile definitions/model-ingest.yaml --json   # the canonical plan and digest\n"
-        "  edit a definition (misspell an on_success target) and run .venv/bin/saga validate on it\n"
-    )
+    os.environ.setdefault("SAGA_KEY_PREFIX", "sagademo")
+    settings = Settings()
+    registry = Registry.from_modules(settings.contracts)
+    check_services(settings)
+    prepare(settings, registry)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    processes = [spawn("orchestrator", ["orchestrator"], env), spawn("worker", ["worker"], env)]
+    print("▸ orchestrator and worker pool started (logs in .demo/)")
+    try:
+        time.sleep(1.0)
+        status = asyncio.run(run_one(settings))
+    finally:
+        for process in processes:
+            process.terminate()
+        for process in processes:
+            process.wait(timeout=30)
+    print(f"\n▸ run {status['state']}: output = {status['output']}")
+    if status.get("reason"):
+        print(f"  reason: {status['reason']}")
+    run_id = status["run_id"]
+    print(f"""
+What to try next (with SAGA_KEY_PREFIX={settings.key_prefix}):
+  .venv/bin/saga history {run_id}        # every durable step of this run
+  .venv/bin/saga status {run_id} --json
+  .venv/bin/saga graph definitions/model-ingest.yaml   # paste into https://mermaid.live
+  .venv/bin/saga orchestrator &  .venv/bin/saga worker &  # run the processes yourself, then:
+  .venv/bin/saga start model-ingest --context '{{"modelId": "cached-1"}}' --wait   # the cache-hit path
+""")
+    sys.exit(0 if status["state"] == "completed" else 1)
 
 
 if __name__ == "__main__":

@@ -136,20 +136,26 @@ class Step:
             self.dispatch(target, stage, attempt=1)
 
     def _decide(self, name: str, stage: Mapping[str, Any]) -> None:
+        fence = ids.stage_fence(self.run.epoch, 1)
+        previous = self.stage(name)
+        self.expect(Key("stage", name), "fence", previous.fence if previous else None)
         variables = self.variables()
         for i, branch in enumerate(stage["branches"]):
             try:
                 taken = evaluate(branch["when"], variables, f"{name}.branches[{i}].when")
             except BindingError as exc:
+                self.set_stage(name, StageRecord(StageStatus.FAILED, 1, fence, error=str(exc)))
                 self.record("decision.failed", name, error=str(exc))
                 self.enter(name, stage["on_evaluation_error"], "failed", f"evaluation error: {exc}")
                 return
             if not isinstance(taken, bool):
                 error = f"branch {i} gave {taken!r}, not a boolean"
+                self.set_stage(name, StageRecord(StageStatus.FAILED, 1, fence, error=error))
                 self.record("decision.failed", name, error=error)
                 self.enter(name, stage["on_evaluation_error"], "failed", f"evaluation error: {error}")
                 return
             if taken:
+                self.set_stage(name, StageRecord(StageStatus.COMPLETED, 1, fence, result={"branch": i}))
                 self.record("decision.taken", name, branch=i, next=branch["next"])
                 self.enter(name, branch["next"])
                 return

@@ -6,6 +6,7 @@ deterministic; the runtime issue gives them fault knobs and an effect store for 
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 from orchestrator.contracts import SERIAL_QUEUE, CompensationInput, RunTerminalInput
@@ -30,49 +31,52 @@ if TYPE_CHECKING:
 
 
 def saga_startup(settings: Settings) -> None:
-    """Called by the worker runtime at start: the demo keeps its effects and faults in Redis."""
-    effects.configure(settings.redis_url, settings.key_prefix)
+    """Called by the worker runtime at start: the demo keeps its effects and faults in Redis.
+
+    SAGA_DEMO_EFFECTS=0 turns the ledger and fault knobs off, so the handlers do no I/O at all (the
+    benchmark's no-op workload, like the Celery and Dramatiq peers')."""
+    if os.environ.get("SAGA_DEMO_EFFECTS", "1") != "0":
+        effects.configure(settings.redis_url, settings.key_prefix)
 
 
-def _act(contract: str, model_id: str, context: TaskContext | None) -> None:
+async def _act(contract: str, model_id: str, context: TaskContext | None) -> None:
     """Apply injected faults, then record the side effect once per idempotency key."""
     world = effects.world()
     if world is None or context is None:
         return
-    world.apply_faults(contract, model_id)
-    world.record_effect(contract, context.idempotency_key)
+    await world.act(contract, model_id, context.idempotency_key)
 
 
 @action("cache.lookup", version=1, input=ModelRef, output=CacheLookupOutput)
-def cache_lookup(payload: ModelRef, context: TaskContext | None = None) -> CacheLookupOutput:
+async def cache_lookup(payload: ModelRef, context: TaskContext | None = None) -> CacheLookupOutput:
     """Look the model up in the derived-data cache; the demo cache holds models whose id starts 'cached-'."""
-    _act("cache.lookup", payload.modelId, context)
+    await _act("cache.lookup", payload.modelId, context)
     if payload.modelId.startswith("cached-"):
         return CacheLookupOutput(modelId=payload.modelId, hit=True)
     return CacheLookupOutput(modelId=payload.modelId, hit=False)
 
 
 @worker("thumbnail.render", version=3, input=ModelRef, output=RenderOutput, queue="rendering")
-def render_thumbnail(payload: ModelRef, context: TaskContext | None = None) -> RenderOutput:
-    _act("thumbnail.render", payload.modelId, context)
+async def render_thumbnail(payload: ModelRef, context: TaskContext | None = None) -> RenderOutput:
+    await _act("thumbnail.render", payload.modelId, context)
     return RenderOutput(thumbnailUri=f"thumbs/{payload.modelId}.png")
 
 
 @worker("semantic.analyse", version=4, input=ModelRef, output=SemanticOutput, queue="analysis")
-def semantic_analyse(payload: ModelRef, context: TaskContext | None = None) -> SemanticOutput:
-    _act("semantic.analyse", payload.modelId, context)
+async def semantic_analyse(payload: ModelRef, context: TaskContext | None = None) -> SemanticOutput:
+    await _act("semantic.analyse", payload.modelId, context)
     return SemanticOutput(tags=["mesh", payload.modelId.split("-")[0]])
 
 
 @worker("metadata.extract", version=2, input=ModelRef, output=MetadataOutput, queue="metadata")
-def metadata_extract(payload: ModelRef, context: TaskContext | None = None) -> MetadataOutput:
-    _act("metadata.extract", payload.modelId, context)
+async def metadata_extract(payload: ModelRef, context: TaskContext | None = None) -> MetadataOutput:
+    await _act("metadata.extract", payload.modelId, context)
     return MetadataOutput(faces=12, vertices=8)
 
 
 @action("catalogue.publish", version=2, input=ModelRef, output=PublishOutput)
-def catalogue_publish(payload: ModelRef, context: TaskContext | None = None) -> PublishOutput:
-    _act("catalogue.publish", payload.modelId, context)
+async def catalogue_publish(payload: ModelRef, context: TaskContext | None = None) -> PublishOutput:
+    await _act("catalogue.publish", payload.modelId, context)
     return PublishOutput(published=True, catalogueId=f"cat-{payload.modelId}")
 
 
@@ -83,9 +87,9 @@ def catalogue_unpublish(payload: CompensationInput) -> CompensationOutput:
 
 
 @action("audit.run-terminal", version=1, input=RunTerminalInput, output=AuditOutput)
-def audit_run_terminal(payload: RunTerminalInput, context: TaskContext | None = None) -> AuditOutput:
+async def audit_run_terminal(payload: RunTerminalInput, context: TaskContext | None = None) -> AuditOutput:
     """Finaliser: record that a run reached its terminal intent."""
-    _act("audit.run-terminal", payload.run_id, context)
+    await _act("audit.run-terminal", payload.run_id, context)
     return AuditOutput(recorded=True)
 
 

@@ -9,10 +9,22 @@
 
 from __future__ import annotations
 
-import time
+import asyncio
 from dataclasses import dataclass
 
 import redis
+import redis.asyncio as aioredis
+
+# One round trip per task: read the faults for (model, contract); unless told to fail, record the
+# effect once per idempotency key. Returns {fail, delay_ms, first}.
+ACT = """
+local fail = redis.call('HGET', KEYS[1], 'fail:' .. ARGV[1])
+local delay = redis.call('HGET', KEYS[1], 'delay:' .. ARGV[1])
+if fail then return {1, tonumber(delay) or 0, 0} end
+local first = redis.call('HSETNX', KEYS[2], ARGV[2], ARGV[1])
+if first == 1 then redis.call('HINCRBY', KEYS[3], ARGV[1], 1) end
+return {0, tonumber(delay) or 0, first}
+"""
 
 
 @dataclass
@@ -47,23 +59,35 @@ class DemoWorld:
         if fields:
             self.client.hset(self._key("faults", model_id), mapping=fields)
 
-    def apply_faults(self, contract: str, model_id: str) -> None:
-        faults: dict[str, str] = self.client.hgetall(self._key("faults", model_id))  # type: ignore[assignment]
-        delay = faults.get(f"delay:{contract}")
-        if delay:
-            time.sleep(int(delay) / 1000)
-        if faults.get(f"fail:{contract}"):
+
+@dataclass
+class AsyncDemoWorld:
+    """What the demo handlers use: one script call per task, no threads."""
+
+    client: aioredis.Redis
+    prefix: str = "saga"
+
+    async def act(self, contract: str, model_id: str, idempotency_key: str) -> None:
+        keys = [
+            f"{self.prefix}:demo:faults:{model_id}",
+            f"{self.prefix}:demo:effects",
+            f"{self.prefix}:demo:counts",
+        ]
+        fail, delay_ms, _ = await self.client.eval(ACT, 3, *keys, contract, idempotency_key)  # type: ignore[misc]
+        if delay_ms:
+            await asyncio.sleep(int(delay_ms) / 1000)
+        if fail:
             raise RuntimeError(f"injected failure of {contract} for model {model_id}")
 
 
-_world: DemoWorld | None = None
+_world: AsyncDemoWorld | None = None
 
 
-def configure(url: str, prefix: str) -> DemoWorld:
+def configure(url: str, prefix: str) -> AsyncDemoWorld:
     global _world  # noqa: PLW0603 - one world per worker process, set at start-up
-    _world = DemoWorld(redis.Redis.from_url(url, decode_responses=True), prefix)
+    _world = AsyncDemoWorld(aioredis.Redis.from_url(url, decode_responses=True), prefix)
     return _world
 
 
-def world() -> DemoWorld | None:
+def world() -> AsyncDemoWorld | None:
     return _world
