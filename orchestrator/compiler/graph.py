@@ -90,12 +90,16 @@ def analyse_graph(defn: Definition, report: Reporter) -> GraphFacts:
     facts.edges = stage_edges(defn, facts.index)
     terminals = {t.value for t in defn.terminals}
     _check_targets(defn, facts, terminals, report)
+    dangling = len(report.problems) > before
     _check_decisions(defn, facts, report)
     resolved = [e for e in facts.edges if e.target in facts.index]
-    _check_reachable(defn, facts, resolved, report)
     acyclic = _check_acyclic(facts, resolved, report)
-    if acyclic:
-        _check_forks_and_joins(defn, facts, resolved, report)
+    # A misspelt target makes everything behind it look unreachable and every branch through it look
+    # unjoined: report the misspelling alone, and these checks once the references resolve.
+    if not dangling:
+        _check_reachable(defn, facts, resolved, report)
+        if acyclic:
+            _check_forks_and_joins(defn, facts, resolved, report)
     facts.valid = len(report.problems) == before
     if facts.valid:
         facts.available = _available_results(defn, facts)
