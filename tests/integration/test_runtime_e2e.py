@@ -273,3 +273,18 @@ def test_kill_9_between_commit_and_publish_loses_nothing(stack: Stack, client: S
     assert client.wait(run_id, timeout_s=60).state == "completed"
     poll(lambda: not stack.outbox(shard), 15, what="the outbox to drain")
     assert kinds(stack, run_id).count("run.started") == 1
+
+
+def test_sigterm_drains_and_a_restart_finishes_the_work(stack: Stack, client: SyncClient) -> None:
+    # Given a bag of 300 items under way
+    run_id = client.start("thumbnail-batch", {"modelIds": [f"drain-{i}" for i in range(300)]})
+    poll(lambda: stack.record(run_id).get("s:render-all:status") == "queued", 20, what="the bag dispatched")
+    # When the orchestrator gets SIGTERM mid-way, it finishes its batch and exits cleanly
+    assert stack.stop("orchestrator", signal.SIGTERM) == 0
+    assert "Traceback" not in stack.log("orchestrator")
+    # Then a new orchestrator finishes the run: every item counted once, one release
+    stack.start_orchestrator()
+    result = client.wait(run_id, timeout_s=120)
+    assert result.state == "completed"
+    assert result.output["count"] == 300
+    assert kinds(stack, run_id).count("stage.completed") == 1
