@@ -45,6 +45,8 @@ from orchestrator.engine.step import Step, context_problems, dumps
 
 __all__ = ["advance"]
 
+WORK_STAGE_TYPES = frozenset({"action", "worker", "map"})
+
 
 def advance(
     plan: Mapping[str, Any], digest: str, run: RunSnapshot | None, event: Event, now_ms: int
@@ -111,6 +113,10 @@ def _stage_result(step: Step, event: StageResult) -> Decision:
     stage = step.plan["stages"].get(event.stage)
     if stage is None or rec is None:
         return _rejected(Verdict.INVALID, f"stage {event.stage!r} was never dispatched", event.stage)
+    if stage["type"] not in WORK_STAGE_TYPES:
+        return _rejected(
+            Verdict.INVALID, f"{event.stage!r} is a {stage['type']}; no worker reports on it", event.stage
+        )
     if run.intent is not None:
         return _rejected(
             Verdict.LATE, f"the run already has the {run.intent.value} intent", event.stage, event.attempt
@@ -118,6 +124,13 @@ def _stage_result(step: Step, event: StageResult) -> Decision:
     if rec.fence != event.fence:
         return _rejected(
             Verdict.STALE, f"fence {event.fence} is not the current {rec.fence}", event.stage, event.attempt
+        )
+    if event.attempt != rec.attempt:
+        return _rejected(
+            Verdict.STALE,
+            f"attempt {event.attempt} is not the current {rec.attempt}",
+            event.stage,
+            event.attempt,
         )
     if stage["type"] == "map":
         return _map_item(step, stage, rec, event)
@@ -153,10 +166,13 @@ def _map_item(step: Step, stage: Mapping[str, Any], rec: StageRecord, event: Sta
         return _rejected(
             Verdict.DUPLICATE, f"the map is already {rec.status.value}", event.stage, event.attempt
         )
-    if event.item is None or event.item < 0:
+    if event.item is None or event.item < 0 or (rec.items is not None and event.item >= rec.items):
         return _rejected(Verdict.INVALID, "a map item result must name its item", event.stage)
     if not event.ok:
         _guard_stage(step, event.stage, rec)
+        step.absent.append(
+            (Key("barrier", event.stage), str(event.item))
+        )  # an item that arrived stays arrived
         error = f"item {event.item}: {event.error}"
         step.set_stage(event.stage, StageRecord(StageStatus.FAILED, rec.attempt, rec.fence, error=error))
         step.record("stage.failed", event.stage, rec.attempt, item=event.item, error=event.error)

@@ -111,6 +111,7 @@ class StageRecord:
     fence: str
     result: Any = None
     error: str | None = None
+    items: int | None = None  # a map stage: how many items it dispatched
 
 
 @dataclass(frozen=True)
@@ -209,5 +210,6 @@ class Decision:
     barriers: tuple[BarrierInit, ...] = ()
     arrival: Arrival | None = None
     outgoing: tuple[Outgoing, ...] = ()
+    absent: tuple[tuple[Key, str], ...] = ()  # barrier members that must not exist (else: duplicate)
     create: bool = False  # the transition creates the run (fails if it exists)
     finished: bool = False  # the run reached a terminal status: start its retention clock

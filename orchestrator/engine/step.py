@@ -56,6 +56,7 @@ class Step:
     writes: dict[Key, dict[str, str]] = field(default_factory=dict)
     barriers: list[BarrierInit] = field(default_factory=list)
     arrival: Arrival | None = None
+    absent: list[tuple[Key, str]] = field(default_factory=list)
     outgoing: list[Outgoing] = field(default_factory=list)
     overlay: dict[str, StageRecord] = field(default_factory=dict)
     finished: bool = False
@@ -80,6 +81,8 @@ class Step:
             fields["result"] = dumps(record.result)
         if record.error is not None:
             fields["error"] = record.error
+        if record.items is not None:
+            fields["items"] = str(record.items)
         self.write(Key("stage", name), **fields)
 
     def stage(self, name: str) -> StageRecord | None:
@@ -93,6 +96,7 @@ class Step:
             writes=tuple(Write(k, v) for k, v in self.writes.items()),
             barriers=tuple(self.barriers),
             arrival=self.arrival,
+            absent=tuple(self.absent),
             outgoing=tuple(self.outgoing),
             create=create,
             finished=self.finished,
@@ -223,7 +227,7 @@ class Step:
             except BindingError as exc:
                 self.fail_to_start(name, stage, str(exc))
                 return
-        self.set_stage(name, StageRecord(StageStatus.DISPATCHED, 1, fence))
+        self.set_stage(name, StageRecord(StageStatus.DISPATCHED, 1, fence, items=len(items)))
         self.barriers.append(BarrierInit(Key("barrier", name), len(items)))
         for index, payload in enumerate(inputs):
             self._send_task(name, stage, 1, fence, payload, item=index)
@@ -310,7 +314,10 @@ class Step:
         for name in sorted(names):
             rec = self.stage(name)
             stage = self.plan["stages"].get(name, {})
-            if rec is None or rec.status not in ACTIVE_STAGE_STATUSES or stage.get("type") == "join":
+            if rec is None or rec.status not in ACTIVE_STAGE_STATUSES:
+                continue
+            if stage.get("type") == "join":  # a barrier: nothing runs remotely, it just never releases
+                self.set_stage(name, StageRecord(StageStatus.CANCELLED, rec.attempt, rec.fence))
                 continue
             self.set_stage(name, StageRecord(StageStatus.CANCELLED, rec.attempt, rec.fence))
             self.record("cancellation.requested", name, rec.attempt, fence=rec.fence)

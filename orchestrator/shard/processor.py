@@ -144,7 +144,12 @@ class Processor:
         plan = await self.store.plan(snapshot.digest)
         event = _event(envelope)
         if event is None:
-            return Outcome(rejected=("malformed", f"a {envelope.kind.value} must name stage and fence"))
+            return Outcome(
+                rejected=(
+                    "malformed",
+                    f"a {envelope.kind.value} must name stage, fence (and a result its digest)",
+                )
+            )
         stage = plan["stages"].get(getattr(event, "stage", ""), {})
         map_stage = event.stage if isinstance(event, BarrierReleased) and stage.get("type") == "map" else None
         first = snapshot if map_stage is None else None
@@ -202,6 +207,8 @@ def _event(envelope: Envelope) -> Event | None:
     body = envelope.body
     if envelope.stage is None or envelope.fence is None:
         return None
+    if envelope.kind is Kind.RESULT and not envelope.digest:
+        return None  # a result names the plan its task was dispatched under (invariant 5)
     if envelope.kind is Kind.RELEASE:
         return BarrierReleased(envelope.message_id, envelope.stage, envelope.fence)
     ok = bool(body.get("ok"))

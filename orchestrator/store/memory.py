@@ -78,6 +78,9 @@ class MemoryStore:
             return NO_RUN, ""
         if spec.function == "saga_transition" and body["mid"] in run.applied:
             return self._duplicate(run, body, None)
+        for k, member in body.get("absent", []):
+            if member in run.barriers.get(names[k], {}):
+                return self._duplicate(run, body, None)
         failed = _check(run.record, body["expects"])
         if failed is not None:
             return CONFLICT, failed

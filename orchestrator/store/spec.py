@@ -98,6 +98,7 @@ def build_spec(
         "outbox": [[m.message_id, outbox_payload(m, run_id, now_ms)] for m in decision.outgoing],
         "history": [history_row(h) for h in decision.history],
         "expire_ms": retention_ms if decision.finished else 0,
+        "absent": [[index[k.name], member] for k, member in decision.absent],
     }
     if decision.arrival is not None:
         a = decision.arrival
@@ -127,6 +128,7 @@ def snapshot_from_record(record: Mapping[str, str], map_results: Mapping[str, li
             fence=fields.get("fence", ""),
             result=json.loads(fields["result"]) if "result" in fields else None,
             error=fields.get("error"),
+            items=int(fields["items"]) if "items" in fields else None,
         )
         for name, fields in stage_fields.items()
         if "status" in fields

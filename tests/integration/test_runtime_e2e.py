@@ -205,6 +205,7 @@ def test_duplicate_stale_and_reordered_completions_change_nothing(stack: Stack, 
             stage=stage,
             attempt=1,
             fence=fence,
+            digest=before["digest"],
             body={"ok": True, "result": value},
         )
 

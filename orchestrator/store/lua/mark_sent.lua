@@ -5,6 +5,10 @@
 -- Returns the number of entries removed.
 local function saga_mark_sent(keys, args)
   if #args == 0 then return 0 end
-  return redis.call('HDEL', keys[1], unpack(args))
+  local removed = 0
+  for i = 1, #args, 1000 do
+    removed = removed + redis.call('HDEL', keys[1], unpack(args, i, math.min(i + 999, #args)))
+  end
+  return removed
 end
 redis.register_function('saga_mark_sent', saga_mark_sent)

@@ -12,6 +12,11 @@ local function saga_transition(keys, args)
   if redis.call('SISMEMBER', keys[3], spec.mid) == 1 then
     return record_duplicate(keys, spec, nil)
   end
+  for _, m in ipairs(spec.absent) do
+    if redis.call('HEXISTS', keys[m[1]], m[2]) == 1 then
+      return record_duplicate(keys, spec, nil)
+    end
+  end
   local failed = check_expects(keys[1], spec.expects)
   if failed then
     return {CONFLICT, failed}
