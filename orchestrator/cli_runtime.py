@@ -59,7 +59,10 @@ def _serve(make: Any) -> None:
         try:
             await service.run()
         finally:
-            await cleanup()
+            try:  # a broker that does not answer must not keep a stopping process alive
+                await asyncio.wait_for(cleanup(), timeout=10)
+            except Exception:
+                logging.getLogger(__name__).warning("connections did not close cleanly", exc_info=True)
 
     try:
         asyncio.run(main())

@@ -117,6 +117,12 @@ class ShardService:
             except (aio_pika.exceptions.AMQPError, ConnectionError) as exc:
                 log.warning("shard %s: broker connection trouble (%s); reconnecting", shard, exc)
                 await asyncio.sleep(1.0)
+            except Exception:
+                # Anything else is a bug or a surprise from a dependency (a Lua error, say). One shard must
+                # not take the others down: its deliveries go back to the queue (the delivery limit bounds
+                # a message that fails every time) and the shard starts again after a pause.
+                log.exception("shard %s: unexpected failure; restarting this shard's consumer", shard)
+                await asyncio.sleep(1.0)
             finally:
                 if channel is not None and not channel.is_closed:
                     with contextlib.suppress(Exception):

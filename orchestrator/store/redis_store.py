@@ -8,6 +8,7 @@ missing: a restarted Redis that persists nothing has lost it.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -22,7 +23,6 @@ from orchestrator.errors import SagaError
 from orchestrator.store.keys import ShardKeys, active_key, index_key, plan_key
 from orchestrator.store.spec import Spec, barrier_stages, build_spec, ordered_items, snapshot_from_record
 
-LIBRARY_NAME = "saga"
 LUA_FILES = ("helpers.lua", "create.lua", "transition.lua", "arrive.lua", "mark_sent.lua")
 APPLIED, DUPLICATE, CONFLICT, EXISTS, NO_RUN = 0, 1, 2, 3, 4
 
@@ -35,12 +35,29 @@ class PlanNotFound(SagaError):
         super().__init__(f"no published plan for {what}; publish it with 'saga definitions publish FILE'")
 
 
+def _lua_sources() -> str:
+    folder = resources.files("orchestrator.store") / "lua"
+    return "\n".join((folder / name).read_text(encoding="utf-8") for name in LUA_FILES)
+
+
+# Functions are global to a Redis server. Naming the library and its functions after a hash of their
+# source lets processes of two releases share a Redis during a rolling upgrade: each calls its own code,
+# and loading one never replaces the other's.
+LIBRARY_VERSION = hashlib.sha256(_lua_sources().encode()).hexdigest()[:10]
+LIBRARY_NAME = f"saga_{LIBRARY_VERSION}"
+
+
+def function_name(base: str) -> str:
+    """``saga_transition`` -> ``saga_<version>_transition`` (the name this release registered)."""
+    return base.replace("saga_", f"{LIBRARY_NAME}_", 1)
+
+
 def library_source() -> str:
     """The one Functions library, assembled from the shipped ``.lua`` files (helpers first)."""
-    folder = resources.files("orchestrator.store") / "lua"
-    parts = [f"#!lua name={LIBRARY_NAME}"]
-    parts += [(folder / name).read_text(encoding="utf-8") for name in LUA_FILES]
-    return "\n".join(parts)
+    body = _lua_sources().replace(
+        "redis.register_function('saga_", f"redis.register_function('{LIBRARY_NAME}_"
+    )
+    return f"#!lua name={LIBRARY_NAME}\n{body}"
 
 
 @dataclass(frozen=True)
@@ -69,12 +86,12 @@ class RedisStore:
     async def _fcall(self, spec: Spec, keys: list[str]) -> list[Any]:
         args = [spec.encode()]
         try:
-            result = await self.client.fcall(spec.function, len(keys), *keys, *args)  # type: ignore[misc]
+            result = await self.client.fcall(function_name(spec.function), len(keys), *keys, *args)  # type: ignore[misc]
         except ResponseError as exc:
             if "function not found" not in str(exc).lower():
                 raise
             await self.load_library()  # Redis restarted without persistence: load and try once more
-            result = await self.client.fcall(spec.function, len(keys), *keys, *args)  # type: ignore[misc]
+            result = await self.client.fcall(function_name(spec.function), len(keys), *keys, *args)  # type: ignore[misc]
         return list(result)
 
     # ---- runs --------------------------------------------------------------------------------------
@@ -128,7 +145,7 @@ class RedisStore:
             calls.append((spec, self.keys(shard).transition_keys(run_id, barriers)))
         async with self.client.pipeline(transaction=False) as pipe:
             for spec, keys in calls:
-                pipe.fcall(spec.function, len(keys), *keys, spec.encode())
+                pipe.fcall(function_name(spec.function), len(keys), *keys, spec.encode())
             replies = await pipe.execute(raise_on_error=False)
         results = []
         for (spec, keys), reply in zip(calls, replies, strict=True):
@@ -192,12 +209,12 @@ class RedisStore:
             return 0
         keys = [self.keys(shard).outbox()]
         try:
-            return int(await self.client.fcall("saga_mark_sent", 1, *keys, *message_ids))  # type: ignore[misc]
+            return int(await self.client.fcall(function_name("saga_mark_sent"), 1, *keys, *message_ids))  # type: ignore[misc]
         except ResponseError as exc:
             if "function not found" not in str(exc).lower():
                 raise
             await self.load_library()
-            return int(await self.client.fcall("saga_mark_sent", 1, *keys, *message_ids))  # type: ignore[misc]
+            return int(await self.client.fcall(function_name("saga_mark_sent"), 1, *keys, *message_ids))  # type: ignore[misc]
 
     # ---- index and plans ---------------------------------------------------------------------------
 

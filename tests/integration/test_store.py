@@ -23,7 +23,14 @@ from orchestrator.compiler import CompiledPlan, compile_text
 from orchestrator.engine import advance, ids
 from orchestrator.engine.model import BarrierReleased, Decision, Event, StageResult, StartRun
 from orchestrator.store.memory import MemoryStore
-from orchestrator.store.redis_store import APPLIED, CONFLICT, DUPLICATE, RedisStore
+from orchestrator.store.redis_store import (
+    APPLIED,
+    CONFLICT,
+    DUPLICATE,
+    LIBRARY_NAME,
+    RedisStore,
+    library_source,
+)
 from orchestrator.store.spec import barrier_stages
 from tests.conftest import DEFINITIONS, DEMO_REGISTRY
 from tests.unit.engine_sim import SHARD, Sim, apply_event, handler_output
@@ -454,7 +461,7 @@ def test_a_transition_after_function_flush_reloads_the_library_and_succeeds() ->
         code, _, _ = await redis_apply(store, plan.plan, plan.digest, "run-flush", event, NOW)
 
         assert code == APPLIED
-        libraries = await store.client.function_list(library="saga")
+        libraries = await store.client.function_list(library=LIBRARY_NAME)
         assert libraries, "the library was not loaded again"
         assert (await store.snapshot(SHARD, "run-flush")).stages["cache-lookup"].status.value == "completed"  # type: ignore[union-attr]
 
@@ -570,3 +577,34 @@ def test_mark_sent_takes_every_id_of_a_full_bag_at_once() -> None:
         assert await store.outbox(SHARD) == {}
 
     with_store(test)
+
+
+def test_two_releases_libraries_coexist_on_one_redis() -> None:
+    """Functions are global to a server: an older release's library (another name) must survive ours."""
+
+    async def test(store: RedisStore) -> None:
+        older = library_source().replace(LIBRARY_NAME, "saga_0000000000")
+        await store.client.function_load(older, replace=True)  # type: ignore[misc]
+        try:
+            await store.load_library()
+            names = _library_names(await store.client.function_list())  # type: ignore[misc]
+            assert {"saga_0000000000", LIBRARY_NAME} <= names
+            await started(store, "ingest-triage", {"sizeMb": 1, "format": "glb"}, "run-coexist")
+            assert (await store.snapshot(SHARD, "run-coexist")) is not None
+        finally:
+            await store.client.function_delete("saga_0000000000")  # type: ignore[misc]
+
+    with_store(test)
+
+
+def _library_names(listing: list[list[object]]) -> set[str]:
+    """FUNCTION LIST answers one flat [key, value, ...] list per library."""
+    names = set()
+    for library in listing:
+        fields = {_text(k): v for k, v in zip(library[::2], library[1::2], strict=True)}
+        names.add(_text(fields["library_name"]))
+    return names
+
+
+def _text(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
