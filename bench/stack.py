@@ -99,6 +99,7 @@ class BenchStack:
             "SAGA_REDIS_URL": "redis://127.0.0.1:6379/0",
             "SAGA_KEY_PREFIX": self.prefix,
             "SAGA_SHARD_COUNT": str(shard_count),
+            "SAGA_DEMO_EFFECTS": "0",  # no-op handlers, like the peers' tasks
             "PYTHONUNBUFFERED": "1",
         }
         self.settings = Settings(

@@ -23,9 +23,10 @@ from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractRobus
 from pydantic import BaseModel, ValidationError
 
 from orchestrator.bus import names
-from orchestrator.bus.envelope import Envelope, EnvelopeRejected, Kind, Signer, decode
+from orchestrator.bus.envelope import Envelope, EnvelopeRejected, Kind, Signer, decode, signed_message
 from orchestrator.bus.publisher import Publisher
 from orchestrator.engine import ids
+from workers.acks import AckCoalescer
 from workers.sdk import Handler
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,7 @@ class WorkerRuntime:
     clock_ms: Callable[[], int] = field(default=lambda: int(time.time() * 1000))
     _stopping: asyncio.Event = field(default_factory=asyncio.Event)
     _inflight: set[asyncio.Task[None]] = field(default_factory=set)
+    _acks: AckCoalescer = field(default_factory=AckCoalescer)
 
     def stop(self) -> None:
         self._stopping.set()
@@ -82,6 +84,7 @@ class WorkerRuntime:
                     await queue.cancel(tag)
             if self._inflight:
                 await asyncio.gather(*self._inflight, return_exceptions=True)  # drain: finish what we hold
+            await self._acks.flush()
             await self._close(channel)
             pool.shutdown(wait=True)
 
@@ -92,6 +95,7 @@ class WorkerRuntime:
     async def _spawn(
         self, message: AbstractIncomingMessage, publisher: Publisher, pool: ThreadPoolExecutor
     ) -> None:
+        self._acks.delivered(message)
         task = asyncio.create_task(self._handle(message, publisher, pool))
         self._inflight.add(task)
         task.add_done_callback(self._inflight.discard)
@@ -103,12 +107,14 @@ class WorkerRuntime:
             envelope = decode(message.body, self.signer, self.max_message_bytes)
         except EnvelopeRejected as exc:
             await publisher.reject(message.body, exc.reason, exc.detail, message.routing_key or "")
-            await message.ack()
+            self._acks.settled(message)
             return
         ok, value = await self._execute(envelope, pool)
         result = self._result(envelope, ok, value)
         try:
-            await publisher.publish_envelope(result, names.RUNS_EXCHANGE, envelope.shard)
+            await publisher.publish_bytes(
+                result, ids.result_id(envelope.message_id), names.RUNS_EXCHANGE, envelope.shard
+            )
         except Exception:
             log.exception(
                 "could not report %s of run %s; the task goes back to the queue",
@@ -116,8 +122,9 @@ class WorkerRuntime:
                 envelope.run_id,
             )
             await message.nack(requeue=True)
+            self._acks.settled(message, already_settled=True)
             return
-        await message.ack()
+        self._acks.settled(message)  # the result is confirmed: the task may be acked
 
     async def _execute(self, envelope: Envelope, pool: ThreadPoolExecutor) -> tuple[bool, Any]:
         try:
@@ -145,24 +152,23 @@ class WorkerRuntime:
             log.info("task %s of run %s failed: %s", envelope.stage, envelope.run_id, exc)
             return False, f"{type(exc).__name__}: {exc}"
 
-    def _result(self, task: Envelope, ok: bool, value: Any) -> Envelope:
+    def _result(self, task: Envelope, ok: bool, value: Any) -> bytes:
         body = {"ok": True, "result": value} if ok else {"ok": False, "error": value}
-        return self.signer.sign(
-            Envelope(
-                kind=Kind.RESULT,
-                message_id=ids.result_id(task.message_id),
-                run_id=task.run_id,
-                shard=task.shard,
-                stage=task.stage,
-                attempt=task.attempt,
-                fence=task.fence,
-                item=task.item,
-                digest=task.digest,
-                contract=task.contract,
-                tenant=task.tenant,
-                issued_at_ms=self.clock_ms(),
-                body=body,
-            )
+        return signed_message(
+            self.signer,
+            kind=Kind.RESULT.value,
+            message_id=ids.result_id(task.message_id),
+            run_id=task.run_id,
+            shard=task.shard,
+            stage=task.stage,
+            attempt=task.attempt,
+            fence=task.fence,
+            item=task.item,
+            digest=task.digest,
+            contract=task.contract,
+            tenant=task.tenant,
+            issued_at_ms=self.clock_ms(),
+            body=body,
         )
 
 

@@ -16,7 +16,7 @@ import aio_pika
 from aio_pika.abc import AbstractChannel, AbstractExchange
 
 from orchestrator.bus import names
-from orchestrator.bus.envelope import Envelope, Kind, Signer, encode
+from orchestrator.bus.envelope import Envelope, Kind, Signer, encode, signed_message
 from orchestrator.engine.model import Outgoing
 
 log = logging.getLogger(__name__)
@@ -40,6 +40,27 @@ def envelope_for(message: Outgoing, signer: Signer, now_ms: int) -> Envelope:
             issued_at_ms=now_ms,
             body=body,
         )
+    )
+
+
+def message_bytes(message: Outgoing, signer: Signer, now_ms: int) -> bytes:
+    """The signed wire form of an outbox entry (same fields as :func:`envelope_for`)."""
+    body = message.body
+    return signed_message(
+        signer,
+        kind=message.kind,
+        message_id=message.message_id,
+        run_id=str(body.get("run_id", "")),
+        shard=str(body.get("shard", "")),
+        stage=body.get("stage"),
+        attempt=body.get("attempt"),
+        fence=body.get("fence"),
+        item=body.get("item"),
+        digest=str(body.get("digest", "")),
+        contract=body.get("contract"),
+        tenant=str(body.get("tenant", "default")),
+        issued_at_ms=now_ms,
+        body=dict(body),
     )
 
 
@@ -87,17 +108,29 @@ class Publisher:
             "shard": (names.RUNS_EXCHANGE, target, True),
             "events": (names.EVENTS_EXCHANGE, target, False),  # nobody listening is fine
         }[kind]
-        envelope = envelope_for(message, self.signer, now_ms)
-        await self.publish_envelope(envelope, exchange, routing_key, mandatory=mandatory)
+        await self.publish_bytes(
+            message_bytes(message, self.signer, now_ms),
+            message.message_id,
+            exchange,
+            routing_key,
+            mandatory=mandatory,
+        )
 
     async def publish_envelope(
         self, envelope: Envelope, exchange: str, routing_key: str, *, mandatory: bool = True
     ) -> None:
+        await self.publish_bytes(
+            encode(envelope), envelope.message_id, exchange, routing_key, mandatory=mandatory
+        )
+
+    async def publish_bytes(
+        self, body: bytes, message_id: str, exchange: str, routing_key: str, *, mandatory: bool = True
+    ) -> None:
         target = await self._exchange(exchange)
         await target.publish(
             aio_pika.Message(
-                encode(envelope),
-                message_id=envelope.message_id,
+                body,
+                message_id=message_id,
                 content_type="application/json",
                 delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
             ),

@@ -125,7 +125,7 @@ def _walk(src: str, root: str, path: tuple[str | int, ...], variables: dict[str,
 
 
 def _check(value: Any, schema: Schema, target: str, template: Any) -> None:
-    validator = jsonschema.Draft202012Validator(schema)
+    validator = validator_for(schema)
     for error in sorted(validator.iter_errors(value), key=lambda e: list(e.absolute_path)):
         where = target + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error.absolute_path)
         src = _source_at(template, list(error.absolute_path))
@@ -149,6 +149,22 @@ def _source_at(template: Any, path: list[Any]) -> str:
     parsed = parse_template(node) if isinstance(node, str) else None
     whole = parsed.whole if isinstance(parsed, Binding) else None
     return whole.source if whole else ""
+
+
+_VALIDATORS: dict[int, tuple[Schema, jsonschema.Draft202012Validator]] = {}
+
+
+def validator_for(schema: Schema) -> jsonschema.Draft202012Validator:
+    """Validators are costly to build; plans (and so their schemas) live for the process: cache by
+    identity, keeping the schema referenced so its id is never reused for another object."""
+    cached = _VALIDATORS.get(id(schema))
+    if cached is not None and cached[0] is schema:
+        return cached[1]
+    if len(_VALIDATORS) > 4096:
+        _VALIDATORS.clear()
+    validator = jsonschema.Draft202012Validator(schema)
+    _VALIDATORS[id(schema)] = (schema, validator)
+    return validator
 
 
 def _json_type(value: Any) -> str:

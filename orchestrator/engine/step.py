@@ -12,9 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import jsonschema
-
-from orchestrator.dsl.binding import bind, evaluate
+from orchestrator.dsl.binding import bind, evaluate, validator_for
 from orchestrator.engine import ids
 from orchestrator.engine.model import (
     ACTIVE_STAGE_STATUSES,
@@ -392,7 +390,7 @@ def context_problems(plan: Mapping[str, Any], context: Mapping[str, Any]) -> lis
     schema = plan.get("context")
     if schema is None:
         return []
-    validator = jsonschema.Draft202012Validator(schema)
+    validator = validator_for(schema)
     return [
         f"{'.'.join(str(p) for p in e.absolute_path) or 'context'}: {e.message}"
         for e in sorted(validator.iter_errors(dict(context)), key=lambda e: list(e.absolute_path))

@@ -56,7 +56,7 @@ class Processor:
         for i, envelope in enumerate(envelopes):
             pending.setdefault(envelope.run_id, deque()).append(i)
         while pending:
-            this_round = [queue.popleft() for queue in pending.values()]
+            this_round = [i for queue in pending.values() for i in _take(queue, envelopes)]
             pending = {run: queue for run, queue in pending.items() if queue}
             await self._round(shard, this_round, envelopes, outcomes)
         return [o if o is not None else Outcome() for o in outcomes]
@@ -75,7 +75,9 @@ class Processor:
                 outcomes[i] = await self.handle(shard, envelopes[i])
         if not batched:
             return
-        snapshots = await self.store.snapshots(shard, [(envelopes[i].run_id, None) for i in batched])
+        runs = list(dict.fromkeys(envelopes[i].run_id for i in batched))  # map items of one run share a read
+        read = dict(zip(runs, await self.store.snapshots(shard, [(run, None) for run in runs]), strict=True))
+        snapshots = [read[envelopes[i].run_id] for i in batched]
         ready: list[tuple[int, Event, dict[str, Any], Decision]] = []
         now = self.clock_ms()
         for i, snapshot in zip(batched, snapshots, strict=True):
@@ -186,6 +188,22 @@ class Processor:
                 publish=_to_publish(decision, result.code, result.detail), verdict=decision.verdict
             )
         raise RuntimeError(f"run {run_id}: {MAX_CONFLICT_RETRIES} conflicting writes in a row; giving up")
+
+
+def _take(queue: deque[int], envelopes: list[Envelope]) -> list[int]:
+    """A run's next message for this round; successful map-item results of one stage travel together,
+    because arrivals commute (each checks only its own stage fence and the run's intent)."""
+    first = queue.popleft()
+    taken = [first]
+    if _is_item_success(envelopes[first]):
+        stage = envelopes[first].stage
+        while queue and _is_item_success(envelopes[queue[0]]) and envelopes[queue[0]].stage == stage:
+            taken.append(queue.popleft())
+    return taken
+
+
+def _is_item_success(envelope: Envelope) -> bool:
+    return envelope.kind is Kind.RESULT and envelope.item is not None and bool(envelope.body.get("ok"))
 
 
 def _needs_map_results(event: Event, plan: dict[str, Any]) -> bool:

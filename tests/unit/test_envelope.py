@@ -9,7 +9,15 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from orchestrator.bus.envelope import Envelope, EnvelopeRejected, Kind, Signer, decode, encode
+from orchestrator.bus.envelope import (
+    Envelope,
+    EnvelopeRejected,
+    Kind,
+    Signer,
+    decode,
+    encode,
+    signed_message,
+)
 from orchestrator.errors import SagaError
 
 MAX = 64 * 1024
@@ -255,3 +263,28 @@ def test_signer_from_settings_keeps_every_key_and_signs_with_the_first() -> None
     signer = Signer.from_settings(("a:one", "b:two:with:colons"))
     assert signer.active == "a"
     assert signer.keys == {"a": b"one", "b": b"two:with:colons"}
+
+
+def test_the_fast_signed_form_verifies_like_a_model_signed_one() -> None:
+    signer = Signer.from_settings(("new:s3cret", "old:older"))
+    raw = signed_message(
+        signer,
+        kind="result",
+        message_id="m-1",
+        run_id="r-1",
+        shard="fast.0",
+        stage="publish",
+        attempt=1,
+        fence="1.1",
+        digest="sha256:x",
+        contract="catalogue.publish@2",
+        issued_at_ms=5,
+        body={"ok": True, "result": {"ünïcode": [1, 2.5, None, True]}},
+    )
+    envelope = decode(raw, signer, 1_000_000)
+    assert envelope.key_id == "new" and envelope.body["result"]["ünïcode"] == [1, 2.5, None, True]
+    assert signer.sign(envelope.model_copy(update={"signature": ""})).signature == envelope.signature
+    tampered = raw.replace(b'"fence":"1.1"', b'"fence":"1.2"')
+    with pytest.raises(EnvelopeRejected) as info:
+        decode(tampered, signer, 1_000_000)
+    assert info.value.reason == "bad-signature"

@@ -1,0 +1,59 @@
+"""Coalesced acknowledgements for a worker channel.
+
+Tasks finish out of order, but acking each one is a socket write, and writes dominate a worker's CPU.
+Delivery tags are per channel and increase, so once every delivery up to tag N is settled, one
+``ack(multiple=True)`` on N settles them all. This tracks settled tags and, once per event-loop turn,
+acks the longest settled prefix. A task is marked settled only after its result was confirmed, so the
+guarantee is unchanged: nothing is acked before its result is safe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import logging
+
+from aio_pika.abc import AbstractIncomingMessage
+
+log = logging.getLogger(__name__)
+
+
+class AckCoalescer:
+    def __init__(self) -> None:
+        self._pending: list[int] = []  # delivered, not yet settled (heap of tags)
+        self._settled: set[int] = set()
+        self._ack_ready: dict[int, AbstractIncomingMessage] = {}
+        self._scheduled = False
+        self._tasks: set[asyncio.Future[None]] = set()
+
+    def delivered(self, message: AbstractIncomingMessage) -> None:
+        heapq.heappush(self._pending, message.delivery_tag or 0)
+
+    def settled(self, message: AbstractIncomingMessage, *, already_settled: bool = False) -> None:
+        """The task's outcome is safe (result confirmed) or the message was nacked individually."""
+        tag = message.delivery_tag or 0
+        self._settled.add(tag)
+        if not already_settled:
+            self._ack_ready[tag] = message
+        if not self._scheduled:
+            self._scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush_soon)
+
+    def _flush_soon(self) -> None:
+        self._scheduled = False
+        task = asyncio.ensure_future(self.flush())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def flush(self) -> None:
+        """Ack the longest settled prefix now (also called when the worker drains)."""
+        last: AbstractIncomingMessage | None = None
+        while self._pending and self._pending[0] in self._settled:
+            tag = heapq.heappop(self._pending)
+            self._settled.discard(tag)
+            last = self._ack_ready.pop(tag, None) or last
+        if last is not None:
+            try:
+                await last.ack(multiple=True)
+            except Exception:  # the channel is gone: the broker requeues every unacked delivery
+                log.warning("could not ack up to delivery %s; the broker will redeliver", last.delivery_tag)
