@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import cel
 import jsonschema
 
 from orchestrator.dsl.expressions import (
@@ -68,13 +69,27 @@ def _render(part: str | Expr, variables: dict[str, Any], target: str) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
+_CONTEXT: list[tuple[dict[str, Any], cel.Context]] = []
+
+
+def _context(variables: dict[str, Any]) -> cel.Context:
+    """Converting variables to CEL values costs more than most evaluations (and grows with every stage
+    result), so the expressions of one binding or decision share one converted context. The engine
+    builds a fresh variables dict per use and never mutates it; holding it here keeps its id unique."""
+    if _CONTEXT and _CONTEXT[0][0] is variables:
+        return _CONTEXT[0][1]
+    context = cel.Context(variables=variables)
+    _CONTEXT[:] = [(variables, context)]
+    return context
+
+
 def evaluate(src: str, variables: dict[str, Any], target: str) -> Any:
     """Evaluate one expression against ``variables``, mapping failures to the binding errors."""
     ref = plain_path(src)
     if ref is not None:
         return _walk(src, ref.root, ref.path, variables, target)
     try:
-        return compile_cel(src).execute(variables)
+        return compile_cel(src).execute(_context(variables))
     except Exception as exc:  # CEL raises ValueError, ZeroDivisionError, ...; all are this expression's fault
         _diagnose(src, variables, target, exc)
         if isinstance(exc, KeyError | IndexError):

@@ -131,7 +131,7 @@ def test_bag_of_1000_items_joins_once_with_results_in_order(stack: Stack, client
     result = client.wait(run_id, timeout_s=120)
     assert result.state == "completed"
     assert result.output["count"] == 1000
-    assert result.output["thumbnails"] == [f"thumbs/{i}.png" for i in ids]
+    assert result.output["thumbnails"] == [{"thumbnailUri": f"thumbs/{i}.png"} for i in ids]
     history = kinds(stack, run_id)
     assert history.count("stage.completed") == 1  # the map completed exactly once
     assert stack.world.effect_counts().get("thumbnail.render", 0) >= 1000
