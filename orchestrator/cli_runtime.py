@@ -20,6 +20,7 @@ from orchestrator.bus import names
 from orchestrator.bus.envelope import Signer
 from orchestrator.client import Client, RunNotFound, WaitTimeout
 from orchestrator.errors import SagaError
+from orchestrator.provision import publish_plans
 from orchestrator.settings import Settings
 from orchestrator.shard.service import ShardOptions, ShardService
 from orchestrator.store.keys import ShardKeys
@@ -197,7 +198,7 @@ def definitions_publish(files: tuple[str, ...], as_json: bool) -> None:
         except DefinitionError as exc:
             print_problems(exc)
             sys.exit(1)
-        asyncio.run(_publish(settings, plan.digest, plan.plan, plan.versions, plan.name))
+        asyncio.run(publish_plans(settings, [plan]))
         published.append(
             {"file": path, "definition": plan.name, "version": plan.version, "digest": plan.digest}
         )
@@ -207,18 +208,6 @@ def definitions_publish(files: tuple[str, ...], as_json: bool) -> None:
     else:
         for p in published:
             click.echo(f"{p['definition']} {p['version']} {p['digest']} is active for new runs")
-
-
-async def _publish(
-    settings: Settings, digest: str, plan: dict[str, Any], versions: dict[str, str], name: str
-) -> None:
-    client = aioredis.Redis.from_url(settings.redis_url, decode_responses=True)
-    try:
-        store = RedisStore(client, settings.key_prefix)
-        await store.save_plan(digest, plan, versions)
-        await store.activate(name, digest)
-    finally:
-        await client.aclose()
 
 
 @click.command()

@@ -21,14 +21,11 @@ from typing import Any
 
 import aio_pika
 import redis
-import redis.asyncio as aioredis
 
-from orchestrator.bus.topology import apply_topology, topology_for
 from orchestrator.client import Client
-from orchestrator.compiler import compile_text
 from orchestrator.contracts import Registry
+from orchestrator.provision import provision
 from orchestrator.settings import Settings
-from orchestrator.store.redis_store import RedisStore
 from workers.demo.effects import DemoWorld
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -76,28 +73,10 @@ def check_services(settings: Settings) -> None:
 
 
 def prepare(settings: Settings, registry: Registry) -> None:
-    print("▸ validating and publishing definitions/*.yaml")
-    plans = [
-        compile_text(p.read_bytes(), str(p.relative_to(ROOT)), registry)
-        for p in sorted((ROOT / "definitions").glob("*.yaml"))
-    ]
-
-    async def go() -> None:
-        connection = await aio_pika.connect(settings.amqp_url)
-        try:
-            await apply_topology(await connection.channel(), topology_for(settings, registry))
-        finally:
-            await connection.close()
-        client = aioredis.Redis.from_url(settings.redis_url)
-        store = RedisStore(client, settings.key_prefix)
-        for plan in plans:
-            await store.save_plan(plan.digest, plan.plan, plan.versions)
-            await store.activate(plan.name, plan.digest)
-            print(f"  {plan.name:<20} {plan.version:<8} {plan.digest[:23]}…")
-        await client.aclose()
-
-    asyncio.run(go())
-    print("▸ broker topology declared (shard queues, task queues, dead-letter queues)")
+    print("▸ validating and publishing definitions/*.yaml, declaring the broker topology")
+    plans = asyncio.run(provision(settings, registry, sorted((ROOT / "definitions").glob("*.yaml"))))
+    for plan in plans:
+        print(f"  {plan.name:<20} {plan.version:<8} {plan.digest[:23]}…")
 
 
 def spawn(name: str, args: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:

@@ -16,52 +16,39 @@ import aio_pika
 from aio_pika.abc import AbstractChannel, AbstractExchange
 
 from orchestrator.bus import names
-from orchestrator.bus.envelope import Envelope, Kind, Signer, encode, signed_message
+from orchestrator.bus.envelope import Envelope, Signer, encode, signed_message
 from orchestrator.engine.model import Outgoing
 
 log = logging.getLogger(__name__)
 
 
+def _fields(message: Outgoing, now_ms: int) -> dict[str, Any]:
+    """An outbox entry's envelope fields: its identity comes from the body the engine wrote."""
+    body = message.body
+    return {
+        "kind": message.kind,
+        "message_id": message.message_id,
+        "run_id": str(body.get("run_id", "")),
+        "shard": str(body.get("shard", "")),
+        "stage": body.get("stage"),
+        "attempt": body.get("attempt"),
+        "fence": body.get("fence"),
+        "item": body.get("item"),
+        "digest": str(body.get("digest", "")),
+        "contract": body.get("contract"),
+        "tenant": str(body.get("tenant", "default")),
+        "issued_at_ms": now_ms,
+        "body": dict(body),
+    }
+
+
 def envelope_for(message: Outgoing, signer: Signer, now_ms: int) -> Envelope:
-    body = dict(message.body)
-    return signer.sign(
-        Envelope(
-            kind=Kind(message.kind),
-            message_id=message.message_id,
-            run_id=str(body.get("run_id", "")),
-            shard=str(body.get("shard", "")),
-            stage=body.get("stage"),
-            attempt=body.get("attempt"),
-            fence=body.get("fence"),
-            item=body.get("item"),
-            digest=str(body.get("digest", "")),
-            contract=body.get("contract"),
-            tenant=str(body.get("tenant", "default")),
-            issued_at_ms=now_ms,
-            body=body,
-        )
-    )
+    return signer.sign(Envelope(**_fields(message, now_ms)))
 
 
 def message_bytes(message: Outgoing, signer: Signer, now_ms: int) -> bytes:
-    """The signed wire form of an outbox entry (same fields as :func:`envelope_for`)."""
-    body = message.body
-    return signed_message(
-        signer,
-        kind=message.kind,
-        message_id=message.message_id,
-        run_id=str(body.get("run_id", "")),
-        shard=str(body.get("shard", "")),
-        stage=body.get("stage"),
-        attempt=body.get("attempt"),
-        fence=body.get("fence"),
-        item=body.get("item"),
-        digest=str(body.get("digest", "")),
-        contract=body.get("contract"),
-        tenant=str(body.get("tenant", "default")),
-        issued_at_ms=now_ms,
-        body=dict(body),
-    )
+    """The signed wire form of an outbox entry, without building a model (the hot path)."""
+    return signed_message(signer, **_fields(message, now_ms))
 
 
 def outgoing_from_payload(payload: Mapping[str, Any]) -> Outgoing:

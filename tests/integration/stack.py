@@ -25,9 +25,8 @@ import aio_pika
 import redis
 
 from orchestrator.bus.envelope import Envelope, Signer, encode
-from orchestrator.bus.topology import apply_topology, topology_for
-from orchestrator.compiler import compile_text
 from orchestrator.contracts import Registry
+from orchestrator.provision import provision
 from orchestrator.settings import Settings
 from orchestrator.store.keys import ShardKeys
 from workers.demo.effects import DemoWorld
@@ -89,19 +88,7 @@ class Stack:
     def setup(self) -> None:
         rabbitmqctl("add_vhost", self.vhost)
         rabbitmqctl("set_permissions", "-p", self.vhost, "guest", ".*", ".*", ".*")
-        asyncio.run(self._apply_topology())
-        for path in sorted((ROOT / "definitions").glob("*.yaml")):
-            plan = compile_text(path.read_bytes(), str(path), REGISTRY)
-            body = json.dumps({"plan": plan.plan, "versions": plan.versions}, sort_keys=True)
-            self.redis.set(f"{self.prefix}:{{plans}}:plan:{plan.digest}", body)
-            self.redis.set(f"{self.prefix}:{{plans}}:active:{plan.name}", plan.digest)
-
-    async def _apply_topology(self) -> None:
-        connection = await aio_pika.connect(self.settings.amqp_url)
-        try:
-            await apply_topology(await connection.channel(), topology_for(self.settings, REGISTRY))
-        finally:
-            await connection.close()
+        asyncio.run(provision(self.settings, REGISTRY, sorted((ROOT / "definitions").glob("*.yaml"))))
 
     def teardown(self) -> None:
         for name in list(self.processes):

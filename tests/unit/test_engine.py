@@ -234,7 +234,10 @@ def test_map_results_are_in_item_order_whatever_the_arrival_order(count: int) ->
     expected = [handler_output("thumbnail.render@3", {"modelId": m}) for m in model_ids]
     assert sim.status == "completed"
     assert sim.snapshot().stages["render-all"].result == expected
-    assert sim.output == {"count": count, "thumbnails": [{"thumbnailUri": f"thumbs/{m}.png"} for m in model_ids]}
+    assert sim.output == {
+        "count": count,
+        "thumbnails": [{"thumbnailUri": f"thumbs/{m}.png"} for m in model_ids],
+    }
     assert len(sim.entries("stage.completed", "render-all")) == 1
     assert sum(1 for m in sim.published if m.startswith("release-")) == (1 if count else 0)
 
@@ -655,7 +658,10 @@ def test_map_item_outside_the_bag_does_not_count() -> None:
     assert sim.record["b:render-all"] == "2"
     sim.run()
     assert sim.status == "completed"
-    assert sim.output == {"count": 2, "thumbnails": [{"thumbnailUri": "thumbs/a.png"}, {"thumbnailUri": "thumbs/b.png"}]}
+    assert sim.output == {
+        "count": 2,
+        "thumbnails": [{"thumbnailUri": "thumbs/a.png"}, {"thumbnailUri": "thumbs/b.png"}],
+    }
 
 
 def test_failure_report_for_a_map_item_that_already_arrived_is_a_duplicate() -> None:

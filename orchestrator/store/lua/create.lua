@@ -6,12 +6,7 @@ local function saga_create(keys, args)
   if redis.call('EXISTS', keys[1]) == 1 then
     return record_duplicate(keys, spec, nil)
   end
-  apply_writes(keys, spec)
   redis.call('ZADD', keys[5], spec.at, spec.run_id)
-  redis.call('SADD', keys[3], spec.mid)
-  append_outbox(keys[4], spec.outbox)
-  append_history(keys[2], spec.history, spec.at)
-  finish(keys, spec)
-  return {APPLIED, spec.mid}
+  return commit(keys, spec)
 end
 redis.register_function('saga_create', saga_create)

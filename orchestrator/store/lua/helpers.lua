@@ -61,6 +61,16 @@ local function finish(keys, spec)
   end
 end
 
+-- Every write of an accepted transition, after all its checks passed.
+local function commit(keys, spec)
+  apply_writes(keys, spec)
+  redis.call('SADD', keys[3], spec.mid)
+  append_outbox(keys[4], spec.outbox)
+  append_history(keys[2], spec.history, spec.at)
+  finish(keys, spec)
+  return {APPLIED, spec.mid}
+end
+
 local function record_duplicate(keys, spec, stage)
   append_history(keys[2], {{'callback.rejected', stage or '', '', cjson.encode({reason = 'duplicate', message_id = spec.mid})}}, spec.at)
   return {DUPLICATE, spec.mid}

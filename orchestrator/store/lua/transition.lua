@@ -21,11 +21,6 @@ local function saga_transition(keys, args)
   if failed then
     return {CONFLICT, failed}
   end
-  apply_writes(keys, spec)
-  redis.call('SADD', keys[3], spec.mid)
-  append_outbox(keys[4], spec.outbox)
-  append_history(keys[2], spec.history, spec.at)
-  finish(keys, spec)
-  return {APPLIED, spec.mid}
+  return commit(keys, spec)
 end
 redis.register_function('saga_transition', saga_transition)

@@ -1,0 +1,54 @@
+"""Provisioning: what a fresh environment needs before runs can start.
+
+Declare the broker topology, then compile definitions and publish their plans (each becomes the version
+new runs of its definition use). The CLI, the demo, the integration tests and the benchmark all do it
+through these functions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+import aio_pika
+import redis.asyncio as aioredis
+
+from orchestrator.bus.topology import Topology, apply_topology, topology_for
+from orchestrator.compiler import CompiledPlan, compile_text
+from orchestrator.contracts import Registry
+from orchestrator.settings import Settings
+from orchestrator.store.redis_store import RedisStore
+
+
+async def declare_topology(settings: Settings, registry: Registry) -> Topology:
+    topology = topology_for(settings, registry)
+    connection = await aio_pika.connect(settings.amqp_url)
+    try:
+        await apply_topology(await connection.channel(), topology)
+    finally:
+        await connection.close()
+    return topology
+
+
+def compile_files(paths: Iterable[Path], registry: Registry, settings: Settings) -> list[CompiledPlan]:
+    """Compile every file; raises DefinitionError (with every problem) at the first invalid one."""
+    return [compile_text(p.read_bytes(), str(p), registry, settings.admission_limits()) for p in paths]
+
+
+async def publish_plans(settings: Settings, plans: Iterable[CompiledPlan]) -> None:
+    """Store each plan by digest (immutable) and make it the active version of its definition."""
+    client = aioredis.Redis.from_url(settings.redis_url)
+    try:
+        store = RedisStore(client, settings.key_prefix)
+        for plan in plans:
+            await store.save_plan(plan.digest, plan.plan, plan.versions)
+            await store.activate(plan.name, plan.digest)
+    finally:
+        await client.aclose()
+
+
+async def provision(settings: Settings, registry: Registry, paths: Iterable[Path]) -> list[CompiledPlan]:
+    plans = compile_files(paths, registry, settings)
+    await declare_topology(settings, registry)
+    await publish_plans(settings, plans)
+    return plans
