@@ -131,18 +131,7 @@ class RedisStore:
         self, shard: str, transitions: list[tuple[str, str, Decision, Mapping[str, Any]]], now_ms: int
     ) -> list[ApplyResult]:
         """Many transitions (of different runs) pipelined: each is still its own atomic FCALL."""
-        calls = []
-        for run_id, message_id, decision, plan in transitions:
-            barriers = barrier_stages(plan)
-            spec = build_spec(
-                decision,
-                run_id=run_id,
-                message_id=message_id,
-                now_ms=now_ms,
-                barriers=barriers,
-                retention_ms=self.retention_ms,
-            )
-            calls.append((spec, self.keys(shard).transition_keys(run_id, barriers)))
+        calls = [self._call(shard, *transition, now_ms) for transition in transitions]
         async with self.client.pipeline(transaction=False) as pipe:
             for spec, keys in calls:
                 pipe.fcall(function_name(spec.function), len(keys), *keys, spec.encode())
@@ -166,6 +155,19 @@ class RedisStore:
         plan: Mapping[str, Any],
         now_ms: int,
     ) -> ApplyResult:
+        code, detail = await self._fcall(*self._call(shard, run_id, message_id, decision, plan, now_ms))
+        return ApplyResult(int(code), _str(detail))
+
+    def _call(
+        self,
+        shard: str,
+        run_id: str,
+        message_id: str,
+        decision: Decision,
+        plan: Mapping[str, Any],
+        now_ms: int,
+    ) -> tuple[Spec, list[str]]:
+        """The spec of one transition and the KEYS it touches."""
         barriers = barrier_stages(plan)
         spec = build_spec(
             decision,
@@ -175,8 +177,7 @@ class RedisStore:
             barriers=barriers,
             retention_ms=self.retention_ms,
         )
-        code, detail = await self._fcall(spec, self.keys(shard).transition_keys(run_id, barriers))
-        return ApplyResult(int(code), _str(detail))
+        return spec, self.keys(shard).transition_keys(run_id, barriers)
 
     async def history(self, shard: str, run_id: str) -> list[dict[str, Any]]:
         rows = await self.client.xrange(self.keys(shard).history(run_id))
