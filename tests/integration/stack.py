@@ -58,14 +58,14 @@ def poll(
 
 
 class Stack:
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, redis_url: str = "redis://127.0.0.1:6379/0") -> None:
         tag = uuid.uuid4().hex[:8]
         self.vhost = f"saga-test-{name}-{tag}"
         self.prefix = f"sagatest{tag}"
         self.env = {
             **os.environ,
             "SAGA_AMQP_URL": f"amqp://guest:guest@127.0.0.1:5672/{quote(self.vhost, safe='')}",
-            "SAGA_REDIS_URL": "redis://127.0.0.1:6379/0",
+            "SAGA_REDIS_URL": redis_url,
             "SAGA_KEY_PREFIX": self.prefix,
             "SAGA_SHARD_COUNT": "2",
             "PYTHONUNBUFFERED": "1",

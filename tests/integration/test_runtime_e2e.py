@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
 from collections.abc import Iterator
@@ -12,7 +13,9 @@ import pytest
 from orchestrator.bus import names
 from orchestrator.bus.envelope import Envelope, Kind
 from orchestrator.client import SyncClient, run_id_for
-from tests.integration.stack import Stack, poll
+from orchestrator.compiler import compile_text
+from orchestrator.provision import publish_plans
+from tests.integration.stack import REGISTRY, ROOT, Stack, poll
 
 pytestmark = pytest.mark.services
 
@@ -289,3 +292,37 @@ def test_sigterm_drains_and_a_restart_finishes_the_work(stack: Stack, client: Sy
     assert result.state == "completed"
     assert result.output["count"] == 300
     assert kinds(stack, run_id).count("stage.completed") == 1
+
+
+def test_a_running_run_stays_pinned_to_its_plan_when_a_new_version_is_activated(
+    stack: Stack, client: SyncClient
+) -> None:
+    # Given a run of model-ingest 2.3.0 that is still rendering
+    stack.world.set_fault("pin-1", "thumbnail.render", delay_ms=800)
+    old_run = client.start("model-ingest", {"modelId": "pin-1"})
+    poll(
+        lambda: stack.record(old_run).get("s:render-thumbnail:status") == "queued",
+        10,
+        what="render dispatched",
+    )
+    old_digest = stack.record(old_run)["digest"]
+    # When version 2.4.0 (another meaning: a shorter render deadline) is activated
+    text = (
+        (ROOT / "definitions" / "model-ingest.yaml")
+        .read_text()
+        .replace('version: "2.3.0"', 'version: "2.4.0"')
+    )
+    text = text.replace("execution_deadline_ms: 300000", "execution_deadline_ms: 200000")
+    new_plan = compile_text(text, "model-ingest-2.4.0.yaml", REGISTRY)
+    assert new_plan.digest != old_digest
+    asyncio.run(publish_plans(stack.settings, [new_plan]))
+    new_run = client.start("model-ingest", {"modelId": "pin-2"})
+    # Then the old run finishes on its own plan, and new runs use the new one
+    assert client.wait(old_run, timeout_s=30).state == "completed"
+    assert client.wait(new_run, timeout_s=30).state == "completed"
+    assert client.status(old_run)["digest"] == old_digest and client.status(old_run)["version"] == "2.3.0"
+    assert (
+        client.status(new_run)["digest"] == new_plan.digest and client.status(new_run)["version"] == "2.4.0"
+    )
+    started = next(e for e in stack.history(old_run) if e["kind"] == "run.started")
+    assert started["detail"]["digest"] == old_digest
