@@ -326,3 +326,17 @@ def test_a_running_run_stays_pinned_to_its_plan_when_a_new_version_is_activated(
     )
     started = next(e for e in stack.history(old_run) if e["kind"] == "run.started")
     assert started["detail"]["digest"] == old_digest
+
+
+def test_a_standby_orchestrator_takes_over_when_the_active_one_dies(stack: Stack, client: SyncClient) -> None:
+    # Given a second orchestrator on the same shards: single active consumer keeps it standing by
+    stack.start_orchestrator("standby")
+    poll(lambda: "serving" in stack.log("standby"), 10, what="the standby to start")
+    run_ids = [client.start("model-ingest", {"modelId": f"failover-{i}"}) for i in range(40)]
+    # When the active one is killed mid-load
+    assert stack.stop("orchestrator", signal.SIGKILL) == -signal.SIGKILL
+    # Then the standby finishes every run, each join released once
+    for run_id in run_ids:
+        assert client.wait(run_id, timeout_s=60).state == "completed", run_id
+        assert kinds(stack, run_id).count("join.released") == 1
+    stack.processes["orchestrator"] = stack.processes.pop("standby")  # later tests find an orchestrator
