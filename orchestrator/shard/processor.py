@@ -64,33 +64,73 @@ class Processor:
     async def _round(
         self, shard: str, indices: list[int], envelopes: list[Envelope], outcomes: list[Outcome | None]
     ) -> None:
-        batched = [
+        starts = [i for i in indices if envelopes[i].kind is Kind.START]
+        continues = [
             i
             for i in indices
             if envelopes[i].kind in (Kind.RESULT, Kind.RELEASE)
             and (not envelopes[i].shard or envelopes[i].shard == shard)
         ]
-        for i in indices:
-            if i not in batched:
-                outcomes[i] = await self.handle(shard, envelopes[i])
-        if not batched:
+        for i in sorted(set(indices) - set(starts) - set(continues)):
+            outcomes[i] = await self.handle(shard, envelopes[i])
+        # (index, event, plan, digest or None: a continue takes its run's pinned digest)
+        work: list[tuple[int, Event, dict[str, Any] | None, str | None]] = []
+        work += await self._claimed_starts(shard, starts, envelopes, outcomes)
+        work += [(i, e, None, None) for i in continues if (e := _event(envelopes[i])) is not None]
+        for i in continues:
+            if _event(envelopes[i]) is None:
+                outcomes[i] = await self.handle(shard, envelopes[i])  # refused with the reason there
+        if not work:
             return
-        runs = list(dict.fromkeys(envelopes[i].run_id for i in batched))  # map items of one run share a read
+        runs = list(dict.fromkeys(envelopes[i].run_id for i, *_ in work))  # map items of one run share a read
         read = dict(zip(runs, await self.store.snapshots(shard, [(run, None) for run in runs]), strict=True))
-        snapshots = [read[envelopes[i].run_id] for i in batched]
         ready: list[tuple[int, Event, dict[str, Any], Decision]] = []
         now = self.clock_ms()
-        for i, snapshot in zip(batched, snapshots, strict=True):
-            event = _event(envelopes[i])
-            if (
-                snapshot is None
-                or event is None
-                or _needs_map_results(event, await self.store.plan(snapshot.digest))
-            ):
+        for i, event, start_plan, start_digest in work:
+            snapshot = read[envelopes[i].run_id]
+            digest = start_digest or (snapshot.digest if snapshot else None)
+            plan = start_plan or (await self.store.plan(digest) if digest else None)
+            if plan is None or digest is None or (start_plan is None and _needs_map_results(event, plan)):
                 outcomes[i] = await self.handle(shard, envelopes[i])  # the careful path handles it
                 continue
-            plan = await self.store.plan(snapshot.digest)
-            ready.append((i, event, plan, advance(plan, snapshot.digest, snapshot, event, now)))
+            ready.append((i, event, plan, advance(plan, digest, snapshot, event, now)))
+        await self._apply_ready(shard, ready, envelopes, outcomes, now)
+
+    async def _claimed_starts(
+        self, shard: str, starts: list[int], envelopes: list[Envelope], outcomes: list[Outcome | None]
+    ) -> list[tuple[int, Event, dict[str, Any] | None, str | None]]:
+        """Starts that name their plan, claimed for this shard in one pipeline; others take the careful
+        path (which resolves the active version, or refuses with the reason)."""
+        candidates = []
+        for i in starts:
+            body = envelopes[i].body
+            digest, context = body.get("digest"), body.get("context", {})
+            if not isinstance(digest, str) or not digest or not isinstance(context, dict):
+                outcomes[i] = await self.handle(shard, envelopes[i])
+                continue
+            try:
+                candidates.append((i, await self.store.plan(digest), digest, context))
+            except PlanNotFound as exc:
+                outcomes[i] = Outcome(rejected=("unknown-definition", str(exc)))
+        owners = await self.store.claim_many([envelopes[i].run_id for i, *_ in candidates], shard)
+        claimed: list[tuple[int, Event, dict[str, Any] | None, str | None]] = []
+        for (i, plan, digest, context), owner in zip(candidates, owners, strict=True):
+            envelope = envelopes[i]
+            if owner != shard:
+                outcomes[i] = Outcome(forward_to=owner)
+                continue
+            event = StartRun(envelope.message_id, envelope.run_id, shard, context, envelope.tenant)
+            claimed.append((i, event, plan, digest))
+        return claimed
+
+    async def _apply_ready(
+        self,
+        shard: str,
+        ready: list[tuple[int, Event, dict[str, Any], Decision]],
+        envelopes: list[Envelope],
+        outcomes: list[Outcome | None],
+        now: int,
+    ) -> None:
         if not ready:
             return
         results = await self.store.apply_many(
