@@ -4,6 +4,7 @@ inspect runs. Registered on the main group by ``orchestrator.cli``."""
 from __future__ import annotations
 
 import asyncio
+from datetime import UTC, datetime
 import importlib
 import json
 import logging
@@ -303,7 +304,7 @@ def history(run_id: str, as_json: bool) -> None:
         extra = {k: v for k, v in e.items() if k not in ("seq", "id", "at", "kind", "stage", "attempt")}
         where = e["stage"] or ""
         click.echo(
-            f"{e['seq']:>4} {e['at']} {e['kind']:<22} {where:<22} {json.dumps(extra) if extra else ''}"
+            f"{e['seq']:>4} {_clock(e['at'])} {e['kind']:<22} {where:<22} {json.dumps(extra) if extra else ''}"
         )
 
 
@@ -344,6 +345,10 @@ def runs(state: str | None, as_json: bool) -> None:
         return
     for r in found:
         click.echo(f"{r['run_id']}  {r['definition']:<20} {r['state']:<10} {r['shard']}")
+
+
+def _clock(at_ms: int) -> str:
+    return datetime.fromtimestamp(at_ms / 1000, UTC).strftime("%H:%M:%S.%f")[:-3]
 
 
 def _run(coro: Any) -> Any:

@@ -164,7 +164,8 @@ def main() -> None:
         print(f"  reason: {status['reason']}")
     run_id = status["run_id"]
     print(f"""
-What to try next (with SAGA_KEY_PREFIX={settings.key_prefix}):
+What to try next:
+  export SAGA_KEY_PREFIX={settings.key_prefix}       # the demo's keys
   .venv/bin/saga history {run_id}        # every durable step of this run
   .venv/bin/saga status {run_id} --json
   .venv/bin/saga graph definitions/model-ingest.yaml   # paste into https://mermaid.live
