@@ -4,12 +4,12 @@ inspect runs. Registered on the main group by ``orchestrator.cli``."""
 from __future__ import annotations
 
 import asyncio
-from datetime import UTC, datetime
 import importlib
 import json
 import logging
 import signal
 import sys
+from datetime import UTC, datetime
 from typing import Any
 
 import aio_pika
