@@ -303,9 +303,8 @@ def history(run_id: str, as_json: bool) -> None:
     for e in events:
         extra = {k: v for k, v in e.items() if k not in ("seq", "id", "at", "kind", "stage", "attempt")}
         where = e["stage"] or ""
-        click.echo(
-            f"{e['seq']:>4} {_clock(e['at'])} {e['kind']:<22} {where:<22} {json.dumps(extra) if extra else ''}"
-        )
+        detail = json.dumps(extra) if extra else ""
+        click.echo(f"{e['seq']:>4} {_clock(e['at'])} {e['kind']:<22} {where:<22} {detail}")
 
 
 @click.command()
