@@ -28,7 +28,7 @@ from orchestrator.bus.envelope import Envelope, Signer, encode
 from orchestrator.contracts import Registry
 from orchestrator.provision import provision
 from orchestrator.settings import Settings
-from orchestrator.store.keys import ShardKeys
+from orchestrator.store.keys import ShardKeys, index_key
 from workers.demo.effects import DemoWorld
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -140,7 +140,7 @@ class Stack:
     # ---- inspection --------------------------------------------------------------------------------
 
     def shard_of(self, run_id: str) -> str | None:
-        return self.redis.get(f"{self.prefix}:index:{{{run_id}}}")  # type: ignore[return-value]
+        return self.redis.get(index_key(self.prefix, run_id))  # type: ignore[return-value]
 
     def record(self, run_id: str) -> dict[str, str]:
         shard = self.shard_of(run_id)
