@@ -340,3 +340,28 @@ def test_a_standby_orchestrator_takes_over_when_the_active_one_dies(stack: Stack
         assert client.wait(run_id, timeout_s=60).state == "completed", run_id
         assert kinds(stack, run_id).count("join.released") == 1
     stack.processes["orchestrator"] = stack.processes.pop("standby")  # later tests find an orchestrator
+
+
+def test_sigterm_drains_a_worker_without_losing_or_repeating_its_task(
+    stack: Stack, client: SyncClient
+) -> None:
+    # Given a worker in the middle of a slow render
+    stack.world.set_fault("wdrain-1", "thumbnail.render", delay_ms=1000)
+    before = stack.world.effect_counts().get("thumbnail.render", 0)
+    run_id = client.start("model-ingest", {"modelId": "wdrain-1"})
+    poll(
+        lambda: stack.world.effect_counts().get("thumbnail.render", 0) > before,
+        10,
+        what="the render to start",
+    )
+    # When it gets SIGTERM, it finishes and reports the task in hand, then exits cleanly
+    assert stack.stop("worker", signal.SIGTERM) == 0
+    poll(
+        lambda: stack.record(run_id).get("s:render-thumbnail:status") == "completed",
+        10,
+        what="the drained task's result applied, with no worker running",
+    )
+    # Then a new worker finishes the run, and the render ran exactly once
+    stack.start_worker()
+    assert client.wait(run_id, timeout_s=30).state == "completed"
+    assert stack.world.effect_counts()["thumbnail.render"] == before + 1
