@@ -118,6 +118,59 @@ def _text(mapping: Mapping[Any, Any]) -> dict[str, str]:
     }
 
 
+ACTIVE_PLAN_TTL_S = 2.0
+
+
+@dataclass(frozen=True)
+class ActivePlan:
+    """What a start needs of a definition's active version: its digest and shard class."""
+
+    digest: str
+    shard_class: str
+
+
+class ActivePlans:
+    """A short-lived cache of definition -> active plan. It saves two Redis reads per start, and lets
+    a service keep starting runs while Redis is briefly unreachable (the start message waits in the
+    broker; the shard needs Redis only to create the run). An activation reaches new starts within
+    ``ttl_s``."""
+
+    def __init__(self, ttl_s: float = ACTIVE_PLAN_TTL_S) -> None:
+        self.ttl_s = ttl_s
+        self._entries: dict[str, tuple[float, ActivePlan]] = {}
+
+    def fresh(self, definition: str, now: float) -> ActivePlan | None:
+        entry = self._entries.get(definition)
+        return entry[1] if entry and now - entry[0] < self.ttl_s else None
+
+    def last_known(self, definition: str) -> ActivePlan | None:
+        entry = self._entries.get(definition)
+        return entry[1] if entry else None
+
+    def put(self, definition: str, plan: ActivePlan, now: float) -> ActivePlan:
+        self._entries[definition] = (now, plan)
+        return plan
+
+
+def active_plan_from(definition: str, digest: Any, raw_plan: Any) -> ActivePlan:
+    """Interpret the two Redis reads (active digest, stored plan) or say what to do."""
+    if digest is None:
+        raise SagaError(f"definition {definition!r} is not published; run 'saga definitions publish FILE'")
+    if raw_plan is None:
+        raise SagaError(
+            f"plan {digest} of {definition!r} is missing from Redis; publish the definition again"
+        )
+    text = digest.decode() if isinstance(digest, bytes) else str(digest)
+    return ActivePlan(text, str(json.loads(raw_plan)["plan"]["class"]))
+
+
+def unreachable_without_cache(definition: str, exc: Exception) -> SagaError:
+    return SagaError(
+        f"cannot resolve the active version of {definition!r}: Redis is unreachable ({exc}) and this "
+        "client has not resolved it before; check SAGA_REDIS_URL"
+    )
+
+
 class Client:
     """Async client. Use ``async with Client(settings) as client:``."""
 
@@ -125,6 +178,7 @@ class Client:
         self.settings = settings
         self.signer = Signer.from_settings(settings.signing_keys)
         self.redis = aioredis.Redis.from_url(settings.redis_url, decode_responses=True)
+        self._plans = ActivePlans()
         self._connection: aio_pika.abc.AbstractRobustConnection | None = None
         self._channel: aio_pika.abc.AbstractChannel | None = None
 
@@ -138,18 +192,20 @@ class Client:
             await self._connection.close()
         await self.redis.aclose()
 
-    async def _plan_of(self, definition: str) -> tuple[str, dict[str, Any]]:
-        digest = await self.redis.get(active_key(self.settings.key_prefix, definition))
-        if digest is None:
-            raise SagaError(
-                f"definition {definition!r} is not published; run 'saga definitions publish FILE'"
-            )
-        raw = await self.redis.get(plan_key(self.settings.key_prefix, digest))
-        if raw is None:
-            raise SagaError(
-                f"plan {digest} of {definition!r} is missing from Redis; publish the definition again"
-            )
-        return str(digest), json.loads(raw)["plan"]
+    async def _plan_of(self, definition: str) -> ActivePlan:
+        now = time.monotonic()
+        cached = self._plans.fresh(definition, now)
+        if cached is not None:
+            return cached
+        try:
+            digest = await self.redis.get(active_key(self.settings.key_prefix, definition))
+            raw = await self.redis.get(plan_key(self.settings.key_prefix, digest)) if digest else None
+        except redis.RedisError as exc:
+            last = self._plans.last_known(definition)
+            if last is None:
+                raise unreachable_without_cache(definition, exc) from exc
+            return last
+        return self._plans.put(definition, active_plan_from(definition, digest, raw), now)
 
     async def start(
         self, definition: str, context: Mapping[str, Any], idempotency_key: str | None = None
@@ -157,10 +213,10 @@ class Client:
         """Start a run of the active version of ``definition``; returns its run id at once."""
         if self._channel is None:
             raise SagaError("the client is not connected; use 'async with Client(settings) as client'")
-        digest, plan = await self._plan_of(definition)
+        plan = await self._plan_of(definition)
         run_id = run_id_for(definition, idempotency_key)
-        envelope = start_envelope(self.signer, run_id, definition, digest, context)
-        exchange = await self._channel.get_exchange(names.start_exchange(plan["class"]), ensure=False)
+        envelope = start_envelope(self.signer, run_id, definition, plan.digest, context)
+        exchange = await self._channel.get_exchange(names.start_exchange(plan.shard_class), ensure=False)
         await exchange.publish(
             aio_pika.Message(
                 encode(envelope),
@@ -207,6 +263,7 @@ class SyncClient:
         self.settings = settings
         self.signer = Signer.from_settings(settings.signing_keys)
         self.redis = redis.Redis.from_url(settings.redis_url, decode_responses=True)
+        self._plans = ActivePlans()
         self._connection = pika.BlockingConnection(pika.URLParameters(settings.amqp_url))
         self._channel = self._connection.channel()
         self._channel.confirm_delivery()  # basic_publish now raises on nack or (mandatory) return
@@ -223,28 +280,32 @@ class SyncClient:
         self.close()
 
     def start(self, definition: str, context: Mapping[str, Any], idempotency_key: str | None = None) -> str:
-        prefix = self.settings.key_prefix
-        digest = self.redis.get(active_key(prefix, definition))
-        if digest is None:
-            raise SagaError(
-                f"definition {definition!r} is not published; run 'saga definitions publish FILE'"
-            )
-        raw = self.redis.get(plan_key(prefix, str(digest)))
-        if raw is None:
-            raise SagaError(
-                f"plan {digest} of {definition!r} is missing from Redis; publish the definition again"
-            )
-        plan = json.loads(str(raw))["plan"]
+        plan = self._plan_of(definition)
         run_id = run_id_for(definition, idempotency_key)
-        envelope = start_envelope(self.signer, run_id, definition, str(digest), context)
+        envelope = start_envelope(self.signer, run_id, definition, plan.digest, context)
         self._channel.basic_publish(
-            names.start_exchange(plan["class"]),
+            names.start_exchange(plan.shard_class),
             run_id,
             encode(envelope),
             pika.BasicProperties(message_id=envelope.message_id, delivery_mode=2),
             mandatory=True,
         )
         return run_id
+
+    def _plan_of(self, definition: str) -> ActivePlan:
+        now = time.monotonic()
+        cached = self._plans.fresh(definition, now)
+        if cached is not None:
+            return cached
+        try:
+            digest = self.redis.get(active_key(self.settings.key_prefix, definition))
+            raw = self.redis.get(plan_key(self.settings.key_prefix, str(digest))) if digest else None
+        except redis.RedisError as exc:
+            last = self._plans.last_known(definition)
+            if last is None:
+                raise unreachable_without_cache(definition, exc) from exc
+            return last
+        return self._plans.put(definition, active_plan_from(definition, digest, raw), now)
 
     def status(self, run_id: str) -> dict[str, Any]:
         shard = self.redis.get(index_key(self.settings.key_prefix, run_id))

@@ -98,6 +98,8 @@ def test_runs_survive_a_redis_outage_without_dead_lettering(own_redis: OwnRedis)
             run_ids = [client.start("model-ingest", {"modelId": f"outage-{i}"}) for i in range(30)]
             # When Redis dies for three seconds and comes back with its state (AOF, fsync always)
             own_redis.kill()  # starts, tasks and results keep arriving at the shards meanwhile
+            # a service can still start runs: the client knows the active version, the broker holds them
+            run_ids += [client.start("model-ingest", {"modelId": f"during-{i}"}) for i in range(5)]
             time.sleep(3)
             own_redis.start()
             # Then every run completes and nothing was dead-lettered

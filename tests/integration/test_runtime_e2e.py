@@ -316,7 +316,8 @@ def test_a_running_run_stays_pinned_to_its_plan_when_a_new_version_is_activated(
     new_plan = compile_text(text, "model-ingest-2.4.0.yaml", REGISTRY)
     assert new_plan.digest != old_digest
     asyncio.run(publish_plans(stack.settings, [new_plan]))
-    new_run = client.start("model-ingest", {"modelId": "pin-2"})
+    with SyncClient(stack.settings) as fresh:  # clients cache the active version for a couple of seconds
+        new_run = fresh.start("model-ingest", {"modelId": "pin-2"})
     # Then the old run finishes on its own plan, and new runs use the new one
     assert client.wait(old_run, timeout_s=30).state == "completed"
     assert client.wait(new_run, timeout_s=30).state == "completed"
