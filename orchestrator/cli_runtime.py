@@ -321,16 +321,20 @@ def runs(state: str | None, as_json: bool) -> None:
             found = []
             for shard in shard_ids:
                 keys = ShardKeys(settings.key_prefix, shard)
-                for run_id in await client.zrange(keys.runs(), 0, -1):
-                    fields = await client.hmget(keys.run(run_id), ["definition", "status", "created_at"])  # type: ignore[misc]
-                    if fields[1] is None or (state and fields[1] != state):
-                        continue
+                run_ids = await client.zrange(keys.runs(), 0, -1)
+                async with client.pipeline(transaction=False) as pipe:  # one round trip per shard
+                    for run_id in run_ids:
+                        pipe.hmget(keys.run(run_id), ["definition", "status", "created_at"])
+                    rows = await pipe.execute()
+                for run_id, (definition, status, created_at) in zip(run_ids, rows, strict=True):
+                    if status is None or (state and status != state):
+                        continue  # expired, or not the state asked for
                     found.append(
                         {
                             "run_id": run_id,
-                            "definition": fields[0],
-                            "state": fields[1],
-                            "created_at": int(fields[2] or 0),
+                            "definition": definition,
+                            "state": status,
+                            "created_at": int(created_at or 0),
                             "shard": shard,
                         }
                     )
