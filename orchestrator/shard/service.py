@@ -214,10 +214,21 @@ class ShardService:
         if outgoing:
             crash(self.options, "after-commit")
         outgoing, done_locally = await self._continue_locally(shard, outgoing)
+        # Every transition of the batch has committed, and what it causes sits in the outbox: the
+        # deliveries may be acked now (invariant 4), in the same socket write as the publishes below.
+        # Forwards and refusals are not in the outbox, so those batches ack after they are confirmed.
+        passing_on = any(d.outcome and (d.outcome.forward_to or d.outcome.rejected) for d in deliveries)
+        if not passing_on:
+            await self._ack(deliveries)
         confirmed = await publisher.publish_all(outgoing, self.clock_ms())
         if confirmed:
             crash(self.options, "after-publish")
         await self.store.mark_sent(shard, confirmed + done_locally)
+        if passing_on:
+            await self._pass_on(shard, deliveries, publisher)
+            await self._ack(deliveries)
+
+    async def _pass_on(self, shard: str, deliveries: list[_Delivery], publisher: Publisher) -> None:
         for delivery in deliveries:
             outcome = delivery.outcome
             if outcome is not None and outcome.forward_to and delivery.envelope is not None:
@@ -225,6 +236,8 @@ class ShardService:
             elif outcome is not None and outcome.rejected:
                 reason, detail = outcome.rejected
                 await publisher.reject(delivery.message.body, reason, detail, names.shard_queue(shard))
+
+    async def _ack(self, deliveries: list[_Delivery]) -> None:
         if all(d.error is None for d in deliveries):
             await deliveries[-1].message.ack(multiple=True)
             return
