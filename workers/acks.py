@@ -25,12 +25,21 @@ class AckCoalescer:
         self._ack_ready: dict[int, AbstractIncomingMessage] = {}
         self._scheduled = False
         self._tasks: set[asyncio.Future[None]] = set()
+        self._channel: object = None  # tags count per channel: a reopened channel starts again at 1
 
     def delivered(self, message: AbstractIncomingMessage) -> None:
+        channel = _channel_of(message)
+        if channel is not self._channel:
+            # The broker connection was re-established: deliveries of the old channel were requeued by
+            # the broker and can no longer be acked; forget them, or their tags would block every ack.
+            self._pending, self._settled, self._ack_ready = [], set(), {}
+            self._channel = channel
         heapq.heappush(self._pending, message.delivery_tag or 0)
 
     def settled(self, message: AbstractIncomingMessage, *, already_settled: bool = False) -> None:
         """The task's outcome is safe (result confirmed) or the message was nacked individually."""
+        if _channel_of(message) is not self._channel:
+            return  # delivered on a channel that is gone: the broker redelivers it
         tag = message.delivery_tag or 0
         self._settled.add(tag)
         if not already_settled:
@@ -57,3 +66,10 @@ class AckCoalescer:
                 await last.ack(multiple=True)
             except Exception:  # the channel is gone: the broker requeues every unacked delivery
                 log.warning("could not ack up to delivery %s; the broker will redeliver", last.delivery_tag)
+
+
+def _channel_of(message: AbstractIncomingMessage) -> object:
+    try:
+        return message.channel
+    except Exception:  # aio-pika raises once the channel is closed
+        return None
