@@ -76,10 +76,12 @@ class Processor:
         # (index, event, plan, digest or None: a continue takes its run's pinned digest)
         work: list[tuple[int, Event, dict[str, Any] | None, str | None]] = []
         work += await self._claimed_starts(shard, starts, envelopes, outcomes)
-        work += [(i, e, None, None) for i in continues if (e := _event(envelopes[i])) is not None]
         for i in continues:
-            if _event(envelopes[i]) is None:
-                outcomes[i] = await self.handle(shard, envelopes[i])  # refused with the reason there
+            event = _event(envelopes[i])
+            if event is None:
+                outcomes[i] = await self.handle(shard, envelopes[i])  # refused there, with the reason
+            else:
+                work.append((i, event, None, None))
         if not work:
             return
         runs = list(dict.fromkeys(envelopes[i].run_id for i, *_ in work))  # map items of one run share a read
