@@ -1,4 +1,5 @@
-"""An isolated saga stack for the benchmark, set up the way tests/integration/stack.py sets up a test's.
+"""An isolated saga stack for the benchmark: the integration tests' Stack (tests/integration/stack.py),
+with the benchmark's names and several orchestrator and worker processes.
 
 Isolation: a RabbitMQ vhost of its own (``saga-bench-<tag>``, made with rabbitmqctl, deleted after) and a
 Redis key prefix of its own (``sagabench<tag>``, its keys deleted after). The topology is applied and every
@@ -8,39 +9,18 @@ definition in ``definitions/`` published. Orchestrators and workers run as real 
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import json
 import os
 import re
-import signal
-import subprocess
-import sys
 import time
-import uuid
 from pathlib import Path
-from urllib.parse import quote
-
-import redis
 
 from orchestrator.bus import names
-from orchestrator.contracts import Registry
-from orchestrator.provision import provision
-from orchestrator.settings import Settings
 from orchestrator.store.keys import ShardKeys, index_key
+from tests.integration.stack import Stack, rabbitmqctl
 
-ROOT = Path(__file__).resolve().parents[1]
-REGISTRY = Registry.from_modules(["workers.demo"])
 PROBLEM = re.compile(r"\b(ERROR|CRITICAL|WARNING)\b|Traceback")
-
-
-def rabbitmqctl(*args: str) -> str:
-    done = subprocess.run(
-        ["rabbitmqctl", "-q", *args], capture_output=True, text=True, timeout=60, check=False
-    )
-    if done.returncode != 0:
-        raise RuntimeError(f"rabbitmqctl {' '.join(args)} failed: {done.stderr.strip()}")
-    return done.stdout
 
 
 def shard_ranges(count: int, parts: int) -> list[str]:
@@ -85,56 +65,22 @@ def machine_busy_seconds() -> float:
     return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
-class BenchStack:
+class BenchStack(Stack):
+    """The tests' isolated stack (tests/integration/stack.py) with the benchmark's names, shard count and
+    no-op handlers, plus several orchestrators or workers and CPU and hang reporting."""
+
     def __init__(self, shard_count: int) -> None:
-        tag = uuid.uuid4().hex[:8]
-        self.vhost = f"saga-bench-{tag}"
-        self.prefix = f"sagabench{tag}"
+        # no-op handlers (SAGA_DEMO_EFFECTS=0), like the peers' tasks
+        super().__init__("", family="bench", shard_count=shard_count, env={"SAGA_DEMO_EFFECTS": "0"})
         self.shard_count = shard_count
-        self.env = {
-            **os.environ,
-            "SAGA_AMQP_URL": f"amqp://guest:guest@127.0.0.1:5672/{quote(self.vhost, safe='')}",
-            "SAGA_REDIS_URL": "redis://127.0.0.1:6379/0",
-            "SAGA_KEY_PREFIX": self.prefix,
-            "SAGA_SHARD_COUNT": str(shard_count),
-            "SAGA_DEMO_EFFECTS": "0",  # no-op handlers, like the peers' tasks
-            "PYTHONUNBUFFERED": "1",
-        }
-        self.settings = Settings(
-            amqp_url=self.env["SAGA_AMQP_URL"],
-            redis_url=self.env["SAGA_REDIS_URL"],
-            key_prefix=self.prefix,
-            shard_count=shard_count,
-        )
-        self.redis = redis.Redis.from_url(self.settings.redis_url, decode_responses=True)
-        self.processes: dict[str, subprocess.Popen[bytes]] = {}
-        self.logs = Path(f"/tmp/{self.vhost}")
-        self.logs.mkdir(parents=True, exist_ok=True)
-
-    # ---- lifecycle ---------------------------------------------------------------------------------
-
-    def setup(self) -> None:
-        rabbitmqctl("add_vhost", self.vhost)
-        rabbitmqctl("set_permissions", "-p", self.vhost, "guest", ".*", ".*", ".*")
-        asyncio.run(provision(self.settings, REGISTRY, sorted((ROOT / "definitions").glob("*.yaml"))))
 
     def start(self, orchestrators: int, workers: int, concurrency: int) -> None:
         ranges = shard_ranges(self.shard_count, orchestrators)
         for i, shards in enumerate(ranges):
             args = ["--shards", shards] if orchestrators > 1 else []
-            self._spawn(f"orchestrator-{i}", ["orchestrator", *args])
+            self._spawn(f"orchestrator-{i}", ["orchestrator", *args], None)
         for i in range(workers):
-            self._spawn(f"worker-{i}", ["worker", "--concurrency", str(concurrency)])
-
-    def _spawn(self, name: str, args: list[str]) -> None:
-        log = (self.logs / f"{name}.log").open("ab")
-        self.processes[name] = subprocess.Popen(
-            [sys.executable, "-m", "orchestrator", *args, "-v"],
-            cwd=ROOT,
-            env=self.env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
+            self._spawn(f"worker-{i}", ["worker", "--concurrency", str(concurrency)], None)
 
     def wait_consuming(self, timeout_s: float = 60.0) -> None:
         """Until every shard and task queue has a consumer (dead-letter and rejected queues never do)."""
@@ -166,41 +112,7 @@ class BenchStack:
             out[role] = out.get(role, 0.0) + cpu_seconds(process.pid)
         return out
 
-    def teardown(self, keep: bool = False) -> None:
-        for name in list(self.processes):
-            self.stop(name)
-        self.redis.close()
-        if keep:
-            return
-        try:
-            rabbitmqctl("delete_vhost", self.vhost)
-        finally:
-            client = redis.Redis.from_url(self.settings.redis_url, decode_responses=True)
-            keys = list(client.scan_iter(match=f"{self.prefix}:*", count=1000))
-            for i in range(0, len(keys), 500):
-                client.delete(*keys[i : i + 500])
-            client.close()
-
-    def stop(self, name: str, sig: int = signal.SIGTERM) -> int:
-        process = self.processes.pop(name)
-        if process.poll() is None:
-            process.send_signal(sig)
-        try:
-            return process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            return process.wait(timeout=10)
-
     # ---- inspection --------------------------------------------------------------------------------
-
-    def list_queues(self, column: str) -> dict[str, int]:
-        out = rabbitmqctl("list_queues", "-p", self.vhost, "name", column)
-        found = {}
-        for line in out.splitlines():
-            parts = line.split()
-            if len(parts) == 2 and parts[1].isdigit():
-                found[parts[0]] = int(parts[1])
-        return found
 
     def dead_letters(self) -> dict[str, int]:
         """Messages sitting in dead-letter queues or the rejected queue (all should be empty)."""

@@ -16,7 +16,8 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -58,23 +59,34 @@ def poll(
 
 
 class Stack:
-    def __init__(self, name: str, redis_url: str = "redis://127.0.0.1:6379/0") -> None:
+    def __init__(
+        self,
+        name: str,
+        redis_url: str = "redis://127.0.0.1:6379/0",
+        *,
+        family: str = "test",
+        shard_count: int = 2,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        """``family`` names what owns the stack (``test``, ``bench``): vhost ``saga-<family>-<name>-<tag>``,
+        key prefix ``saga<family><tag>``; ``env`` adds SAGA_* variables for every process."""
         tag = uuid.uuid4().hex[:8]
-        self.vhost = f"saga-test-{name}-{tag}"
-        self.prefix = f"sagatest{tag}"
+        self.vhost = "-".join(part for part in ("saga", family, name, tag) if part)
+        self.prefix = f"saga{family}{tag}"
         self.env = {
             **os.environ,
             "SAGA_AMQP_URL": f"amqp://guest:guest@127.0.0.1:5672/{quote(self.vhost, safe='')}",
             "SAGA_REDIS_URL": redis_url,
             "SAGA_KEY_PREFIX": self.prefix,
-            "SAGA_SHARD_COUNT": "2",
+            "SAGA_SHARD_COUNT": str(shard_count),
             "PYTHONUNBUFFERED": "1",
+            **(env or {}),
         }
         self.settings = Settings(
             amqp_url=self.env["SAGA_AMQP_URL"],
             redis_url=self.env["SAGA_REDIS_URL"],
             key_prefix=self.prefix,
-            shard_count=2,
+            shard_count=shard_count,
         )
         self.redis = redis.Redis.from_url(self.settings.redis_url, decode_responses=True)
         self.world = DemoWorld(self.redis, self.prefix)
@@ -90,9 +102,13 @@ class Stack:
         rabbitmqctl("set_permissions", "-p", self.vhost, "guest", ".*", ".*", ".*")
         asyncio.run(provision(self.settings, REGISTRY, sorted((ROOT / "definitions").glob("*.yaml"))))
 
-    def teardown(self) -> None:
+    def teardown(self, keep: bool = False) -> None:
+        """Stop every process, then delete the vhost and the keys (``keep``: leave them to inspect)."""
         for name in list(self.processes):
             self.stop(name)
+        if keep:
+            self.redis.close()
+            return
         try:
             rabbitmqctl("delete_vhost", self.vhost)
         finally:
@@ -164,13 +180,17 @@ class Stack:
         return self.redis.hgetall(ShardKeys(self.prefix, shard).outbox())  # type: ignore[return-value]
 
     def queue_depths(self) -> dict[str, int]:
-        out = rabbitmqctl("list_queues", "-p", self.vhost, "name", "messages")
-        depths = {}
+        return self.list_queues("messages")
+
+    def list_queues(self, column: str) -> dict[str, int]:
+        """One numeric column of ``rabbitmqctl list_queues`` for this vhost, by queue name."""
+        out = rabbitmqctl("list_queues", "-p", self.vhost, "name", column)
+        found = {}
         for line in out.splitlines():
             parts = line.split()
             if len(parts) == 2 and parts[1].isdigit():
-                depths[parts[0]] = int(parts[1])
-        return depths
+                found[parts[0]] = int(parts[1])
+        return found
 
     # ---- publishing as a service (or an attacker) would --------------------------------------------
 
@@ -192,3 +212,16 @@ class Stack:
 
     def publish_envelope(self, envelope: Envelope, exchange: str, routing_key: str) -> None:
         self.publish_raw(exchange, routing_key, encode(self.signer.sign(envelope)))
+
+
+@contextmanager
+def running(name: str) -> Iterator[Stack]:
+    """A set-up stack with one orchestrator and one worker running, torn down after."""
+    stack = Stack(name)
+    stack.setup()
+    try:
+        stack.start_orchestrator()
+        stack.start_worker()
+        yield stack
+    finally:
+        stack.teardown()

@@ -10,21 +10,15 @@ from typing import Any
 
 import pytest
 
-from tests.integration.stack import ROOT, Stack
+from tests.integration.stack import ROOT, Stack, running
 
 pytestmark = pytest.mark.services
 
 
 @pytest.fixture(scope="module")
 def stack() -> Iterator[Stack]:
-    s = Stack("cli")
-    s.setup()
-    s.start_orchestrator()
-    s.start_worker()
-    try:
+    with running("cli") as s:
         yield s
-    finally:
-        s.teardown()
 
 
 def saga(stack: Stack, *args: str) -> subprocess.CompletedProcess[str]:

@@ -15,21 +15,15 @@ from orchestrator.bus.envelope import Envelope, Kind
 from orchestrator.client import SyncClient, run_id_for
 from orchestrator.compiler import compile_text
 from orchestrator.provision import publish_plans
-from tests.integration.stack import REGISTRY, ROOT, Stack, poll
+from tests.integration.stack import REGISTRY, ROOT, Stack, poll, running
 
 pytestmark = pytest.mark.services
 
 
 @pytest.fixture(scope="module")
 def stack() -> Iterator[Stack]:
-    s = Stack("e2e")
-    s.setup()
-    s.start_orchestrator()
-    s.start_worker()
-    try:
+    with running("e2e") as s:
         yield s
-    finally:
-        s.teardown()
 
 
 @pytest.fixture(scope="module")
