@@ -10,6 +10,7 @@ Pure: the variables are passed in.
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Any
 
 import cel
@@ -69,17 +70,25 @@ def _render(part: str | Expr, variables: dict[str, Any], target: str) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
-_CONTEXT: list[tuple[dict[str, Any], cel.Context]] = []
+_CONTEXT: list[tuple[dict[str, Any], frozenset[str], cel.Context]] = []
 
 
-def _context(variables: dict[str, Any]) -> cel.Context:
-    """Converting variables to CEL values costs more than most evaluations (and grows with every stage
-    result), so the expressions of one binding or decision share one converted context. The engine
-    builds a fresh variables dict per use and never mutates it; holding it here keeps its id unique."""
-    if _CONTEXT and _CONTEXT[0][0] is variables:
-        return _CONTEXT[0][1]
-    context = cel.Context(variables=variables)
-    _CONTEXT[:] = [(variables, context)]
+@lru_cache(maxsize=4096)
+def _reads(src: str) -> frozenset[str]:
+    """The variables an expression reads (macro-bound names included; they are simply not found)."""
+    return frozenset(compile_cel(src).variables())
+
+
+def _context(variables: dict[str, Any], names: frozenset[str]) -> cel.Context:
+    """Converting variables to CEL values costs more than most evaluations, so only the variables the
+    expression reads are converted (a map item's input converts the item, not the whole context), and
+    expressions of one binding or decision reading the same ones share the converted context. The
+    engine builds a fresh variables dict per use and never mutates it; holding it here keeps its id
+    from being reused."""
+    if _CONTEXT and _CONTEXT[0][0] is variables and _CONTEXT[0][1] == names:
+        return _CONTEXT[0][2]
+    context = cel.Context(variables={k: v for k, v in variables.items() if k in names})
+    _CONTEXT[:] = [(variables, names, context)]
     return context
 
 
@@ -89,7 +98,7 @@ def evaluate(src: str, variables: dict[str, Any], target: str) -> Any:
     if ref is not None:
         return _walk(src, ref.root, ref.path, variables, target)
     try:
-        return compile_cel(src).execute(_context(variables))
+        return compile_cel(src).execute(_context(variables, _reads(src)))
     except Exception as exc:  # CEL raises ValueError, ZeroDivisionError, ...; all are this expression's fault
         _diagnose(src, variables, target, exc)
         if isinstance(exc, KeyError | IndexError):
