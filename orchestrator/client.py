@@ -228,6 +228,36 @@ class Client:
         )
         return run_id
 
+    async def cancel(self, run_id: str, reason: str = "", requested_by: str = "") -> None:
+        """Ask the run's shard to cancel the run: a failed intent with reason ``cancelled``, its active
+        stages asked to stop, then its finalisers. A run that already has an intent is left as it is
+        (the request is recorded as late in its history). Returns once the broker has the request."""
+        if self._channel is None:
+            raise SagaError("the client is not connected; use 'async with Client(settings) as client'")
+        shard = await self.redis.get(index_key(self.settings.key_prefix, run_id))
+        if shard is None:
+            raise RunNotFound(run_id)
+        envelope = self.signer.sign(
+            Envelope(
+                kind=Kind.CANCEL_RUN,
+                message_id=f"cancel-run-{uuid.uuid4().hex}",  # each request is its own
+                run_id=run_id,
+                shard=str(shard),
+                issued_at_ms=int(time.time() * 1000),
+                body={"reason": reason, "requested_by": requested_by},
+            )
+        )
+        exchange = await self._channel.get_exchange(names.RUNS_EXCHANGE, ensure=False)
+        await exchange.publish(
+            aio_pika.Message(
+                encode(envelope),
+                message_id=envelope.message_id,
+                delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+            ),
+            routing_key=str(shard),
+            mandatory=True,
+        )
+
     async def status(self, run_id: str) -> dict[str, Any]:
         shard = await self.redis.get(index_key(self.settings.key_prefix, run_id))
         if shard is None:

@@ -3,8 +3,16 @@
 For each task: verify the envelope, validate the input against the handler's contract, call the handler
 (async handlers on the loop, plain ones in a thread pool) with the task's idempotency key, validate the
 output, publish a signed result (confirmed, mandatory) to the run's shard, then ack. A handler exception
-is a reported failure, never a requeue loop. The result's message id is derived from the task's, so a
-redelivered task that runs again reports under the same id and the orchestrator sees a duplicate.
+is a reported failure, never a requeue loop: retryable unless it is a ``PermanentFailure`` (or the input
+or output does not fit the contract); the orchestrator alone decides whether another attempt runs. The
+result's message id is derived from the task's, so a redelivered task that runs again reports under the
+same id and the orchestrator sees a duplicate.
+
+Stages with deadlines ask for more (``report`` in the task): an acceptance when the handler starts and,
+with a heartbeat timeout, a heartbeat every third of it while the handler runs. Cancellation requests
+arrive on ``saga.events`` (``cancel.<run>``, a private queue per worker process): the handler's asyncio
+task is cancelled (an async handler sees ``CancelledError`` at its next await; a thread-pool handler
+should poll ``context.cancelled``) and the result says it was cancelled.
 """
 
 from __future__ import annotations
@@ -12,7 +20,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import itertools
 import logging
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -27,7 +37,7 @@ from orchestrator.bus.envelope import Envelope, EnvelopeRejected, Kind, Signer, 
 from orchestrator.bus.publisher import Publisher
 from orchestrator.engine import ids
 from workers.acks import AckCoalescer
-from workers.sdk import Handler
+from workers.sdk import Handler, PermanentFailure
 
 log = logging.getLogger(__name__)
 
@@ -43,10 +53,15 @@ class TaskContext:
     fence: str
     contract: str
     idempotency_key: str
+    cancelled: threading.Event = field(default_factory=threading.Event)  # set when asked to stop
 
 
-class TaskFailed(Exception):
-    """Raised inside the runtime for a task that cannot run (no handler, bad input); reported as a failure."""
+class TaskFailed(PermanentFailure):
+    """Raised inside the runtime for a task that cannot run (no handler, bad input); reported as a
+    failure that no retry can fix."""
+
+
+AttemptKey = tuple[str, str, str]  # (run id, stage, fence): one attempt, as a cancellation names it
 
 
 @dataclass
@@ -61,6 +76,8 @@ class WorkerRuntime:
     _stopping: asyncio.Event = field(default_factory=asyncio.Event)
     _inflight: set[asyncio.Task[None]] = field(default_factory=set)
     _acks: AckCoalescer = field(default_factory=AckCoalescer)
+    _running: dict[AttemptKey, tuple[asyncio.Future[Any], TaskContext]] = field(default_factory=dict)
+    _cancelled: set[AttemptKey] = field(default_factory=set)
 
     def stop(self) -> None:
         self._stopping.set()
@@ -75,6 +92,7 @@ class WorkerRuntime:
             queue = await channel.get_queue(name, ensure=False)
             tag = await queue.consume(lambda m: self._spawn(m, publisher, pool), no_ack=False)
             consumers.append((queue, tag))
+        consumers.append(await self._listen_for_cancellations(channel))
         log.info("worker consuming %s with concurrency %d", ", ".join(self.queues), self.concurrency)
         try:
             await self._stopping.wait()
@@ -87,6 +105,29 @@ class WorkerRuntime:
             await self._acks.flush()
             await self._close(channel)
             pool.shutdown(wait=True)
+
+    async def _listen_for_cancellations(self, channel: AbstractChannel) -> tuple[Any, str]:
+        """A private queue (gone with this process) bound to every cancellation request."""
+        queue = await channel.declare_queue("", exclusive=True, auto_delete=True)
+        await queue.bind(names.EVENTS_EXCHANGE, routing_key="cancel.#")
+        tag = await queue.consume(self._on_cancel, no_ack=True)
+        return queue, tag
+
+    async def _on_cancel(self, message: AbstractIncomingMessage) -> None:
+        try:
+            envelope = decode(message.body, self.signer, self.max_message_bytes)
+        except EnvelopeRejected as exc:
+            log.warning("ignored a cancellation request that failed verification: %s", exc)
+            return
+        key = (envelope.run_id, envelope.stage or "", envelope.fence or "")
+        running = self._running.get(key)
+        if running is None:
+            return  # not ours, or already finished
+        future, context = running
+        log.info("cancelling %s of run %s (fence %s) as requested", key[1], key[0], key[2])
+        self._cancelled.add(key)
+        context.cancelled.set()
+        future.cancel()
 
     async def _close(self, channel: AbstractChannel) -> None:
         with contextlib.suppress(Exception):
@@ -109,8 +150,16 @@ class WorkerRuntime:
             await publisher.reject(message.body, exc.reason, exc.detail, message.routing_key or "")
             self._acks.settled(message)
             return
-        ok, value = await self._execute(envelope, pool)
-        result = self._result(envelope, ok, value)
+        report = envelope.body.get("report") or {}
+        if report.get("accept"):
+            await self._report(publisher, envelope, Kind.ACCEPTED, "accepted")
+        beating = self._heartbeats(publisher, envelope, report.get("heartbeat_ms"))
+        try:
+            outcome = await self._execute(envelope, pool)
+        finally:
+            if beating is not None:
+                beating.cancel()
+        result = self._result(envelope, outcome)
         try:
             await publisher.publish_bytes(
                 result, ids.result_id(envelope.message_id), names.RUNS_EXCHANGE, envelope.shard
@@ -126,7 +175,44 @@ class WorkerRuntime:
             return
         self._acks.settled(message)  # the result is confirmed: the task may be acked
 
-    async def _execute(self, envelope: Envelope, pool: ThreadPoolExecutor) -> tuple[bool, Any]:
+    def _heartbeats(
+        self, publisher: Publisher, envelope: Envelope, every_ms: Any
+    ) -> asyncio.Task[None] | None:
+        if not isinstance(every_ms, int) or every_ms <= 0:
+            return None
+
+        async def beat() -> None:
+            for n in itertools.count(1):
+                await asyncio.sleep(every_ms / 3000)
+                await self._report(publisher, envelope, Kind.HEARTBEAT, f"heartbeat-{n}")
+
+        return asyncio.create_task(beat())
+
+    async def _report(self, publisher: Publisher, task: Envelope, kind: Kind, what: str) -> None:
+        """Tell the run's shard about the attempt (acceptance, heartbeat). Best effort: a lost report
+        can only make a clock expire, which fences the attempt; it never corrupts the run."""
+        message_id = ids.message_id(what, task.run_id, task.stage or "", task.fence or "")
+        body = signed_message(
+            self.signer,
+            kind=kind.value,
+            message_id=message_id,
+            run_id=task.run_id,
+            shard=task.shard,
+            stage=task.stage,
+            attempt=task.attempt,
+            fence=task.fence,
+            digest=task.digest,
+            contract=task.contract,
+            tenant=task.tenant,
+            issued_at_ms=self.clock_ms(),
+            body={},
+        )
+        try:
+            await publisher.publish_bytes(body, message_id, names.RUNS_EXCHANGE, task.shard)
+        except Exception as exc:
+            log.warning("could not report %s of %s (run %s): %s", what, task.stage, task.run_id, exc)
+
+    async def _execute(self, envelope: Envelope, pool: ThreadPoolExecutor) -> Outcome:
         try:
             handler = self.handlers.get(envelope.contract or "")
             if handler is None:
@@ -146,14 +232,48 @@ class WorkerRuntime:
                 envelope.contract or "",
                 str(envelope.body.get("idempotency_key", envelope.message_id)),
             )
-            output = await _call(handler, payload, context, pool)
-            return True, _validated_output(handler, output)
+            output = await self._run_cancellable(envelope, handler, payload, context, pool)
+            try:
+                return Outcome(True, _validated_output(handler, output))
+            except ValidationError as exc:  # the handler broke its contract: no retry will mend it
+                raise TaskFailed(f"output does not fit {envelope.contract}: {exc}") from exc
+        except _Cancelled:
+            return Outcome(False, "cancelled: the orchestrator asked this attempt to stop", cancelled=True)
         except Exception as exc:  # the handler's failure is the stage's failure, reported, not requeued
             log.info("task %s of run %s failed: %s", envelope.stage, envelope.run_id, exc)
-            return False, f"{type(exc).__name__}: {exc}"
+            retryable = not isinstance(exc, PermanentFailure)
+            return Outcome(False, f"{type(exc).__name__}: {exc}", retryable=retryable)
 
-    def _result(self, task: Envelope, ok: bool, value: Any) -> bytes:
-        body = {"ok": True, "result": value} if ok else {"ok": False, "error": value}
+    async def _run_cancellable(
+        self,
+        envelope: Envelope,
+        handler: Handler,
+        payload: BaseModel,
+        context: TaskContext,
+        pool: ThreadPoolExecutor,
+    ) -> Any:
+        """Run the handler as its own task, so a cancellation request can stop it (and only it)."""
+        key = (envelope.run_id, context.stage, context.fence)
+        future = asyncio.ensure_future(_call(handler, payload, context, pool))
+        self._running[key] = (future, context)
+        try:
+            return await future
+        except asyncio.CancelledError:
+            if key in self._cancelled:
+                raise _Cancelled from None
+            raise  # the worker itself is being cancelled
+        finally:
+            self._running.pop(key, None)
+            self._cancelled.discard(key)
+
+    def _result(self, task: Envelope, outcome: Outcome) -> bytes:
+        body: dict[str, Any]
+        if outcome.ok:
+            body = {"ok": True, "result": outcome.value}
+        else:
+            body = {"ok": False, "error": outcome.value, "retryable": outcome.retryable}
+            if outcome.cancelled:
+                body["cancelled"] = True
         return signed_message(
             self.signer,
             kind=Kind.RESULT.value,
@@ -170,6 +290,20 @@ class WorkerRuntime:
             issued_at_ms=self.clock_ms(),
             body=body,
         )
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What a task came to: a result, or an error with whether another attempt may succeed."""
+
+    ok: bool
+    value: Any
+    retryable: bool = True
+    cancelled: bool = False
+
+
+class _Cancelled(Exception):
+    """The handler was stopped because the orchestrator asked (not because the worker is stopping)."""
 
 
 async def _call(handler: Handler, payload: BaseModel, context: TaskContext, pool: ThreadPoolExecutor) -> Any:

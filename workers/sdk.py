@@ -31,6 +31,13 @@ from orchestrator.contracts import (
 from orchestrator.errors import ContractError
 
 HANDLER_ATTRIBUTE = "__saga_handler__"
+
+
+class PermanentFailure(Exception):
+    """Raise from a handler for a failure no retry can fix (bad data, a refused request): the stage fails
+    at once instead of using its retry policy. Any other exception is reported as retryable."""
+
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 

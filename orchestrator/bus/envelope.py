@@ -30,6 +30,9 @@ class Kind(StrEnum):
     RELEASE = "barrier.released"  # shard -> shard: a join or map barrier released its successor
     FINISHED = "run.finished"  # shard -> saga.events: the run reached completed or failed
     CANCEL = "cancel"  # shard -> saga.events: cooperative cancellation of an attempt
+    ACCEPTED = "accepted"  # worker -> shard: an attempt with deadlines started (stops its queue clock)
+    HEARTBEAT = "heartbeat"  # worker -> shard: the attempt's handler is alive
+    CANCEL_RUN = "cancel.run"  # service or operator -> shard: cancel the whole run
 
 
 class Envelope(BaseModel):

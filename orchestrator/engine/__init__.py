@@ -20,32 +20,37 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from orchestrator.engine import ids
+from orchestrator.engine import ids, liveness
 from orchestrator.engine.model import (
     ACTIVE_STAGE_STATUSES,
     RUN,
     Arrival,
     BarrierReleased,
+    Clock,
     Decision,
     Event,
     FinaliserResult,
-    HistoryEntry,
     Intent,
     Key,
     Outgoing,
     RunSnapshot,
     RunStatus,
+    StageAccepted,
+    StageHeartbeat,
     StageRecord,
     StageResult,
     StageStatus,
     StartRun,
+    TimerFired,
     Verdict,
 )
-from orchestrator.engine.step import Step, context_problems, dumps
+from orchestrator.engine.step import Step, context_problems, dumps, rejected
 
 __all__ = ["advance"]
 
 WORK_STAGE_TYPES = frozenset({"action", "worker", "map"})
+# An attempt the orchestrator gave up on: a worker's report about it only acknowledges the cancellation.
+FENCED_OFF = frozenset({StageStatus.CANCELLED, StageStatus.TIMED_OUT})
 
 
 def advance(
@@ -54,28 +59,32 @@ def advance(
     if isinstance(event, StartRun):
         return _start(plan, digest, run, event, now_ms)
     if run is None:
-        return _rejected(Verdict.INVALID, "names no run", getattr(event, "stage", None))
+        return rejected(Verdict.INVALID, "names no run", getattr(event, "stage", None))
     claimed = getattr(event, "digest", "")
     if claimed and claimed != run.digest:
         why = f"names plan {claimed}, but the run is pinned to {run.digest}"
-        return _rejected(Verdict.INVALID, why, getattr(event, "stage", None))
+        return rejected(Verdict.INVALID, why, getattr(event, "stage", None))
     if isinstance(event, StageResult):
         return _stage_result(Step(plan, digest, run, now_ms), event)
+    step = Step(plan, digest, run, now_ms)
     if isinstance(event, BarrierReleased):
-        return _barrier_released(Step(plan, digest, run, now_ms), event)
-    return _finaliser_result(Step(plan, digest, run, now_ms), event)
-
-
-def _rejected(verdict: Verdict, why: str, stage: str | None, attempt: int | None = None) -> Decision:
-    entry = HistoryEntry("callback.rejected", stage, attempt, {"reason": verdict.value, "detail": why})
-    return Decision(verdict=verdict, history=(entry,))
+        return _barrier_released(step, event)
+    if isinstance(event, FinaliserResult):
+        return _finaliser_result(step, event)
+    if isinstance(event, StageAccepted):
+        return liveness.accepted(step, event)
+    if isinstance(event, StageHeartbeat):
+        return liveness.heartbeat(step, event)
+    if isinstance(event, TimerFired):
+        return liveness.timer_fired(step, event)
+    return liveness.cancel_run(step, event)
 
 
 def _start(
     plan: Mapping[str, Any], digest: str, run: RunSnapshot | None, event: StartRun, now_ms: int
 ) -> Decision:
     if run is not None:
-        return _rejected(Verdict.DUPLICATE, "the run already exists", None)
+        return rejected(Verdict.DUPLICATE, "the run already exists", None)
     fresh = RunSnapshot(
         run_id=event.run_id,
         shard=event.shard,
@@ -99,6 +108,8 @@ def _start(
         created_at=str(now_ms),
     )
     step.record("run.started", definition=plan["name"], digest=digest)
+    if plan.get("run_deadline_ms"):
+        step.set_timer(Clock.RUN, "", ids.run_fence(1), plan["run_deadline_ms"])
     problems = context_problems(plan, event.context)
     if problems:
         step.set_intent(Intent.FAILED, "invalid context: " + "; ".join(problems))
@@ -112,21 +123,24 @@ def _stage_result(step: Step, event: StageResult) -> Decision:
     rec = run.stages.get(event.stage)
     stage = step.plan["stages"].get(event.stage)
     if stage is None or rec is None:
-        return _rejected(Verdict.INVALID, f"stage {event.stage!r} was never dispatched", event.stage)
+        return rejected(Verdict.INVALID, f"stage {event.stage!r} was never dispatched", event.stage)
     if stage["type"] not in WORK_STAGE_TYPES:
-        return _rejected(
+        return rejected(
             Verdict.INVALID, f"{event.stage!r} is a {stage['type']}; no worker reports on it", event.stage
         )
+    if event.cancelled and rec.fence == event.fence and rec.status in FENCED_OFF:
+        step.record("cancellation.acknowledged", event.stage, event.attempt, fence=event.fence)
+        return step.decision(Verdict.LATE)
     if run.intent is not None:
-        return _rejected(
+        return rejected(
             Verdict.LATE, f"the run already has the {run.intent.value} intent", event.stage, event.attempt
         )
     if rec.fence != event.fence:
-        return _rejected(
+        return rejected(
             Verdict.STALE, f"fence {event.fence} is not the current {rec.fence}", event.stage, event.attempt
         )
     if event.attempt != rec.attempt:
-        return _rejected(
+        return rejected(
             Verdict.STALE,
             f"attempt {event.attempt} is not the current {rec.attempt}",
             event.stage,
@@ -135,7 +149,7 @@ def _stage_result(step: Step, event: StageResult) -> Decision:
     if stage["type"] == "map":
         return _map_item(step, stage, rec, event)
     if rec.status not in ACTIVE_STAGE_STATUSES:
-        return _rejected(
+        return rejected(
             Verdict.DUPLICATE, f"the attempt is already {rec.status.value}", event.stage, event.attempt
         )
     _guard_stage(step, event.stage, rec)
@@ -144,13 +158,12 @@ def _stage_result(step: Step, event: StageResult) -> Decision:
             event.stage, StageRecord(StageStatus.COMPLETED, rec.attempt, rec.fence, result=event.result)
         )
         step.record("stage.completed", event.stage, rec.attempt)
+        step.clear_attempt_clocks(event.stage, rec.fence)
         step.enter(event.stage, stage["on_success"])
     else:
-        step.set_stage(
-            event.stage, StageRecord(StageStatus.FAILED, rec.attempt, rec.fence, error=event.error)
-        )
-        step.record("stage.failed", event.stage, rec.attempt, error=event.error)
-        step.enter(event.stage, stage["on_failure"], "failed", event.error)
+        error = event.error or "the worker reported a failure without a message"
+        step.record("stage.failed", event.stage, rec.attempt, error=error, retryable=event.retryable)
+        step.fail_attempt(event.stage, stage, rec, error, retryable=event.retryable)
     return step.decision()
 
 
@@ -163,20 +176,19 @@ def _guard_stage(step: Step, name: str, rec: StageRecord) -> None:
 
 def _map_item(step: Step, stage: Mapping[str, Any], rec: StageRecord, event: StageResult) -> Decision:
     if rec.status not in ACTIVE_STAGE_STATUSES:
-        return _rejected(
+        return rejected(
             Verdict.DUPLICATE, f"the map is already {rec.status.value}", event.stage, event.attempt
         )
     if event.item is None or event.item < 0 or (rec.items is not None and event.item >= rec.items):
-        return _rejected(Verdict.INVALID, "a map item result must name its item", event.stage)
+        return rejected(Verdict.INVALID, "a map item result must name its item", event.stage)
     if not event.ok:
         _guard_stage(step, event.stage, rec)
         step.absent.append(
             (Key("barrier", event.stage), str(event.item))
         )  # an item that arrived stays arrived
         error = f"item {event.item}: {event.error}"
-        step.set_stage(event.stage, StageRecord(StageStatus.FAILED, rec.attempt, rec.fence, error=error))
         step.record("stage.failed", event.stage, rec.attempt, item=event.item, error=event.error)
-        step.enter(event.stage, stage["on_failure"], "failed", error)
+        step.fail_attempt(event.stage, stage, rec, error, retryable=False)  # items are not retried alone
         return step.decision()
     # Arrivals commute: checked against the map's own fence, never the whole run.
     step.expect(Key("stage", event.stage), "fence", rec.fence)
@@ -196,16 +208,18 @@ def _barrier_released(step: Step, event: BarrierReleased) -> Decision:
     rec = run.stages.get(event.stage)
     stage = step.plan["stages"].get(event.stage)
     if stage is None or rec is None or stage["type"] not in ("join", "map"):
-        return _rejected(Verdict.INVALID, f"{event.stage!r} is not a barrier of this run", event.stage)
+        return rejected(Verdict.INVALID, f"{event.stage!r} is not a barrier of this run", event.stage)
     if run.intent is not None:
-        return _rejected(Verdict.LATE, f"the run already has the {run.intent.value} intent", event.stage)
+        return rejected(Verdict.LATE, f"the run already has the {run.intent.value} intent", event.stage)
     if rec.fence != event.fence:
-        return _rejected(Verdict.STALE, f"fence {event.fence} is not the current {rec.fence}", event.stage)
+        return rejected(Verdict.STALE, f"fence {event.fence} is not the current {rec.fence}", event.stage)
     if rec.status not in ACTIVE_STAGE_STATUSES:
-        return _rejected(Verdict.DUPLICATE, f"the barrier is already {rec.status.value}", event.stage)
+        return rejected(Verdict.DUPLICATE, f"the barrier is already {rec.status.value}", event.stage)
     _guard_stage(step, event.stage, rec)
     result = run.map_results.get(event.stage) if stage["type"] == "map" else None
     step.set_stage(event.stage, StageRecord(StageStatus.COMPLETED, rec.attempt, rec.fence, result=result))
+    if stage["type"] == "map":
+        step.clear_attempt_clocks(event.stage, rec.fence)
     kind = "join.released" if stage["type"] == "join" else "stage.completed"
     step.record(kind, event.stage, rec.attempt)
     step.enter(event.stage, stage["on_success"])
@@ -216,11 +230,11 @@ def _finaliser_result(step: Step, event: FinaliserResult) -> Decision:
     run = step.run
     name = f"finaliser:{event.index}"
     if run.status is not RunStatus.FINALISING or run.intent is None:
-        return _rejected(Verdict.DUPLICATE, f"the run is {run.status.value}, not finalising", name)
+        return rejected(Verdict.DUPLICATE, f"the run is {run.status.value}, not finalising", name)
     current = ids.finaliser_fence(run.epoch, run.finaliser_index)
     if event.index != run.finaliser_index or event.fence != current:
         verdict = Verdict.DUPLICATE if event.index < run.finaliser_index else Verdict.STALE
-        return _rejected(verdict, f"finaliser {event.index} is not the current one", name)
+        return rejected(verdict, f"finaliser {event.index} is not the current one", name)
     step.expect(RUN, "finaliser_index", str(run.finaliser_index))
     step.expect(RUN, "status", RunStatus.FINALISING.value)
     if event.ok:

@@ -20,6 +20,11 @@ def stage_fence(epoch: int, attempt: int) -> str:
     return f"{epoch}.{attempt}"
 
 
+def run_fence(epoch: int) -> str:
+    """The fence of a run-wide timer (the run deadline): one per epoch."""
+    return f"{epoch}.run"
+
+
 def finaliser_fence(epoch: int, index: int) -> str:
     return f"{epoch}.f{index}"
 

@@ -76,6 +76,62 @@ class StageResult:
     error: str | None = None
     item: int | None = None
     digest: str = ""  # the plan the dispatch named; a mismatch is refused
+    retryable: bool = True  # the worker's verdict on a failure: may another attempt succeed?
+    cancelled: bool = False  # the handler stopped because cancellation was requested
+
+
+@dataclass(frozen=True)
+class StageAccepted:
+    """A worker took the attempt off its queue and started it (sent only for stages with deadlines):
+    stops the queue clock, starts the execution and heartbeat clocks."""
+
+    message_id: str
+    stage: str
+    attempt: int
+    fence: str
+    digest: str = ""
+
+
+@dataclass(frozen=True)
+class StageHeartbeat:
+    """The attempt's handler is still alive: pushes its heartbeat deadline forward. Not in history."""
+
+    message_id: str
+    stage: str
+    attempt: int
+    fence: str
+    digest: str = ""
+
+
+class Clock(StrEnum):
+    """The timers a run can have (seed 000's three clocks, plus the retry backoff)."""
+
+    QUEUE = "queue"  # dispatched, not accepted in time
+    EXECUTION = "execution"  # accepted, no result in time
+    HEARTBEAT = "heartbeat"  # accepted, no heartbeat in time
+    RETRY = "retry"  # the backoff before the next attempt
+    RUN = "run"  # the whole run's deadline
+
+
+@dataclass(frozen=True)
+class TimerFired:
+    """A durable timer came due. ``stage`` is empty for the run deadline; ``fence`` is the attempt's (or
+    the run epoch's) fence the timer was set for, so a timer of an older attempt is stale."""
+
+    message_id: str
+    clock: Clock
+    stage: str
+    fence: str
+    member: str  # the timer's member in the shard's timer set, claimed by the transition
+
+
+@dataclass(frozen=True)
+class CancelRun:
+    """An operator or service asked to cancel the run (``saga cancel``)."""
+
+    message_id: str
+    reason: str = ""
+    requested_by: str = ""
 
 
 @dataclass(frozen=True)
@@ -98,7 +154,16 @@ class FinaliserResult:
     digest: str = ""
 
 
-Event = StartRun | StageResult | BarrierReleased | FinaliserResult
+Event = (
+    StartRun
+    | StageResult
+    | BarrierReleased
+    | FinaliserResult
+    | StageAccepted
+    | StageHeartbeat
+    | TimerFired
+    | CancelRun
+)
 
 
 # ---- snapshot --------------------------------------------------------------------------------------
@@ -194,6 +259,14 @@ class Arrival:
 
 
 @dataclass(frozen=True)
+class Timer:
+    """A durable timer in the shard's sorted set: ``member`` names it, ``due_ms`` is its score."""
+
+    member: str
+    due_ms: int
+
+
+@dataclass(frozen=True)
 class HistoryEntry:
     kind: str
     stage: str | None = None
@@ -213,3 +286,7 @@ class Decision:
     absent: tuple[tuple[Key, str], ...] = ()  # barrier members that must not exist (else: duplicate)
     create: bool = False  # the transition creates the run (fails if it exists)
     finished: bool = False  # the run reached a terminal status: start its retention clock
+    timers: tuple[Timer, ...] = ()  # set (or moved) in the same atomic call
+    untimers: tuple[str, ...] = ()  # timer members removed in the same atomic call
+    claim: str | None = None  # a fired timer: the member must still be there and due, else no effect
+    remember: bool = True  # add the message id to the run's applied set (not for heartbeats or timers)

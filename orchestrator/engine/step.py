@@ -13,12 +13,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from orchestrator.dsl.binding import bind, evaluate, validator_for
-from orchestrator.engine import ids
+from orchestrator.engine import clocks, ids
 from orchestrator.engine.model import (
     ACTIVE_STAGE_STATUSES,
     RUN,
     Arrival,
     BarrierInit,
+    Clock,
     Decision,
     Expect,
     HistoryEntry,
@@ -29,12 +30,14 @@ from orchestrator.engine.model import (
     RunStatus,
     StageRecord,
     StageStatus,
+    Timer,
     Verdict,
     Write,
 )
 from orchestrator.errors import BindingError
 
 TERMINALS = frozenset(i.value for i in Intent)
+CANCELLABLE = ACTIVE_STAGE_STATUSES | {StageStatus.RETRY_SCHEDULED}
 
 
 def dumps(value: Any) -> str:
@@ -60,6 +63,10 @@ class Step:
     finished: bool = False
     intent: Intent | None = None
     reason: str | None = None
+    timers: dict[str, int] = field(default_factory=dict)
+    untimers: set[str] = field(default_factory=set)
+    claim: str | None = None
+    remember: bool = True
 
     # ---- primitives --------------------------------------------------------------------------------
 
@@ -98,7 +105,28 @@ class Step:
             outgoing=tuple(self.outgoing),
             create=create,
             finished=self.finished,
+            timers=tuple(Timer(m, due) for m, due in sorted(self.timers.items())),
+            untimers=tuple(sorted(self.untimers)),
+            claim=self.claim,
+            remember=self.remember,
         )
+
+    # ---- timers ------------------------------------------------------------------------------------
+
+    def set_timer(self, clock: Clock, stage: str, fence: str, after_ms: int) -> None:
+        name = clocks.member(self.run.run_id, clock, stage, fence)
+        self.untimers.discard(name)
+        self.timers[name] = self.now_ms + after_ms
+
+    def clear_timer(self, clock: Clock, stage: str, fence: str) -> None:
+        name = clocks.member(self.run.run_id, clock, stage, fence)
+        self.timers.pop(name, None)
+        self.untimers.add(name)
+
+    def clear_attempt_clocks(self, name: str, fence: str) -> None:
+        """The attempt ended: its queue, execution and heartbeat timers have nothing left to watch."""
+        for clock in clocks.attempt_clocks(self.plan["stages"].get(name, {})):
+            self.clear_timer(clock, name, fence)
 
     # ---- bindings ----------------------------------------------------------------------------------
 
@@ -230,6 +258,8 @@ class Step:
         for index, payload in enumerate(inputs):
             self._send_task(name, stage, 1, fence, payload, item=index)
         self.record("stage.dispatched", name, 1, items=len(items), queue=stage["queue"])
+        if stage.get("execution_deadline_ms"):  # a bag has one clock: from dispatch to its last item
+            self.set_timer(Clock.EXECUTION, name, fence, stage["execution_deadline_ms"])
 
     # ---- work stages -------------------------------------------------------------------------------
 
@@ -250,6 +280,8 @@ class Step:
         self.set_stage(name, StageRecord(StageStatus.DISPATCHED, attempt, fence))
         self._send_task(name, stage, attempt, fence, payload)
         self.record("stage.dispatched", name, attempt, queue=stage["queue"])
+        if stage.get("queue_deadline_ms"):
+            self.set_timer(Clock.QUEUE, name, fence, stage["queue_deadline_ms"])
 
     def _send_task(
         self,
@@ -276,7 +308,34 @@ class Step:
             "input": payload,
             "idempotency_key": message_id,
         }
+        if item is None and clocks.needs_acceptance(stage):
+            # the worker reports acceptance, and heartbeats at a third of the timeout
+            body["report"] = {"accept": True, "heartbeat_ms": stage.get("heartbeat_timeout_ms")}
         self.outgoing.append(Outgoing(message_id, "task", ("task", stage["queue"]), body))
+
+    def fail_attempt(
+        self,
+        name: str,
+        stage: Mapping[str, Any],
+        rec: StageRecord,
+        error: str,
+        *,
+        retryable: bool,
+        status: StageStatus = StageStatus.FAILED,
+    ) -> None:
+        """The current attempt failed or timed out: schedule the next attempt through a durable timer if
+        the policy allows and the failure may pass, else follow ``on_failure``."""
+        self.clear_attempt_clocks(name, rec.fence)
+        policy = stage["retry"]
+        if retryable and rec.attempt < policy["max_attempts"] and stage["type"] != "map":
+            delay = clocks.backoff_ms(policy, self.run.run_id, name, rec.attempt)
+            waiting = StageRecord(StageStatus.RETRY_SCHEDULED, rec.attempt, rec.fence, error=error)
+            self.set_stage(name, waiting)
+            self.set_timer(Clock.RETRY, name, rec.fence, delay)
+            self.record("retry.scheduled", name, rec.attempt, next_attempt=rec.attempt + 1, delay_ms=delay)
+            return
+        self.set_stage(name, StageRecord(status, rec.attempt, rec.fence, error=error))
+        self.enter(name, stage["on_failure"], status.value, error)
 
     def fail_to_start(self, name: str, stage: Mapping[str, Any], error: str) -> None:
         """A stage whose input cannot be bound fails without being dispatched, and follows on_failure."""
@@ -312,21 +371,29 @@ class Step:
         for name in sorted(names):
             rec = self.stage(name)
             stage = self.plan["stages"].get(name, {})
-            if rec is None or rec.status not in ACTIVE_STAGE_STATUSES:
+            if rec is None or rec.status not in CANCELLABLE:
                 continue
-            if stage.get("type") == "join":  # a barrier: nothing runs remotely, it just never releases
-                self.set_stage(name, StageRecord(StageStatus.CANCELLED, rec.attempt, rec.fence))
-                continue
+            self.clear_attempt_clocks(name, rec.fence)
+            if rec.status is StageStatus.RETRY_SCHEDULED:
+                self.clear_timer(Clock.RETRY, name, rec.fence)
             self.set_stage(name, StageRecord(StageStatus.CANCELLED, rec.attempt, rec.fence))
+            if stage.get("type") == "join" or rec.status is StageStatus.RETRY_SCHEDULED:
+                continue  # nothing runs remotely: a barrier just never releases, a retry never starts
             self.record("cancellation.requested", name, rec.attempt, fence=rec.fence)
-            self.outgoing.append(
-                Outgoing(
-                    ids.message_id("cancel", self.run.run_id, name, rec.fence),
-                    "cancel",
-                    ("events", f"cancel.{self.run.run_id}"),
-                    {"run_id": self.run.run_id, "stage": name, "fence": rec.fence},
-                )
+            self.request_cancel(name, rec.fence)
+
+    def request_cancel(self, name: str, fence: str, cause: str = "") -> None:
+        """Ask the workers to stop an attempt (broadcast: any worker running it stops). The attempt is
+        fenced whatever they do; this only saves the work. ``cause``: the message that made us ask again
+        (a worker still reporting on the attempt), so each request has an id of its own."""
+        self.outgoing.append(
+            Outgoing(
+                ids.message_id("cancel", self.run.run_id, name, fence, cause),
+                "cancel",
+                ("events", f"cancel.{self.run.run_id}"),
+                {"run_id": self.run.run_id, "stage": name, "fence": fence},
             )
+        )
 
     def start_finaliser(self, index: int) -> None:
         finalisers = self.plan.get("finalisers") or []
@@ -367,6 +434,8 @@ class Step:
         status = RunStatus.COMPLETED if intent is Intent.COMPLETED and not failed else RunStatus.FAILED
         self.write(RUN, status=status.value, finished_at=str(self.now_ms))
         self.record(f"run.{status.value}")
+        if self.plan.get("run_deadline_ms"):
+            self.clear_timer(Clock.RUN, "", ids.run_fence(self.run.epoch))
         written = self.writes.get(RUN, {}).get("output")
         output = json.loads(written) if written else self.run.output
         self.outgoing.append(
@@ -384,6 +453,12 @@ class Step:
             )
         )
         self.finished = True
+
+
+def rejected(verdict: Verdict, why: str, stage: str | None, attempt: int | None = None) -> Decision:
+    """An event that changes nothing: recorded in history with its reason."""
+    entry = HistoryEntry("callback.rejected", stage, attempt, {"reason": verdict.value, "detail": why})
+    return Decision(verdict=verdict, history=(entry,))
 
 
 def context_problems(plan: Mapping[str, Any], context: Mapping[str, Any]) -> list[str]:

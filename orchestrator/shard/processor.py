@@ -15,19 +15,26 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from orchestrator.bus.envelope import Envelope, Kind
-from orchestrator.engine import advance
+from orchestrator.engine import advance, clocks
 from orchestrator.engine.model import (
     BarrierReleased,
+    CancelRun,
     Decision,
     Event,
     FinaliserResult,
     Outgoing,
     RunSnapshot,
+    StageAccepted,
+    StageHeartbeat,
     StageResult,
     StartRun,
+    TimerFired,
     Verdict,
 )
 from orchestrator.store.redis_store import APPLIED, CONFLICT, NO_RUN, PlanNotFound, RedisStore
+
+# Kinds that continue an existing run on its shard (everything but a start).
+CONTINUES = frozenset({Kind.RESULT, Kind.RELEASE, Kind.ACCEPTED, Kind.HEARTBEAT, Kind.CANCEL_RUN})
 
 MAX_CONFLICT_RETRIES = 8
 
@@ -68,8 +75,7 @@ class Processor:
         continues = [
             i
             for i in indices
-            if envelopes[i].kind in (Kind.RESULT, Kind.RELEASE)
-            and (not envelopes[i].shard or envelopes[i].shard == shard)
+            if envelopes[i].kind in CONTINUES and (not envelopes[i].shard or envelopes[i].shard == shard)
         ]
         for i in sorted(set(indices) - set(starts) - set(continues)):
             outcomes[i] = await self.handle(shard, envelopes[i])
@@ -153,7 +159,7 @@ class Processor:
     async def handle(self, shard: str, envelope: Envelope) -> Outcome:
         if envelope.kind is Kind.START:
             return await self._start(shard, envelope)
-        if envelope.kind in (Kind.RESULT, Kind.RELEASE):
+        if envelope.kind in CONTINUES:
             if envelope.shard and envelope.shard != shard:
                 return Outcome(forward_to=envelope.shard)
             return await self._continue(shard, envelope)
@@ -194,10 +200,30 @@ class Processor:
                     f"a {envelope.kind.value} must name stage, fence (and a result its digest)",
                 )
             )
+        return await self._continue_with(shard, envelope.run_id, event, plan, snapshot)
+
+    async def fire_timer(self, shard: str, member: str) -> Outcome:
+        """A due timer of this shard: the engine decides what it means, the transition claims it."""
+        parsed = clocks.parse_member(member)
+        if parsed is None:
+            await self.store.drop_timer(shard, member)
+            return Outcome()
+        run_id, clock, stage, fence = parsed
+        event = TimerFired(f"timer-{member}", clock, stage, fence, member)
+        snapshot = await self.store.snapshot(shard, run_id)
+        if snapshot is None:
+            await self.store.drop_timer(shard, member)  # the run expired with its timer still set
+            return Outcome()
+        plan = await self.store.plan(snapshot.digest)
+        return await self._continue_with(shard, run_id, event, plan, snapshot)
+
+    async def _continue_with(
+        self, shard: str, run_id: str, event: Event, plan: dict[str, Any], snapshot: RunSnapshot
+    ) -> Outcome:
         stage = plan["stages"].get(getattr(event, "stage", ""), {})
         map_stage = event.stage if isinstance(event, BarrierReleased) and stage.get("type") == "map" else None
         first = snapshot if map_stage is None else None
-        return await self._decide(shard, envelope.run_id, event, plan, snapshot.digest, map_stage, first)
+        return await self._decide(shard, run_id, event, plan, snapshot.digest, map_stage, first)
 
     async def _decide(
         self,
@@ -265,8 +291,15 @@ def _to_publish(decision: Decision, code: int, detail: str) -> list[Outgoing]:
 
 def _event(envelope: Envelope) -> Event | None:
     body = envelope.body
+    if envelope.kind is Kind.CANCEL_RUN:
+        reason, by = body.get("reason", ""), body.get("requested_by", "")
+        return CancelRun(envelope.message_id, str(reason)[:500], str(by)[:200])
     if envelope.stage is None or envelope.fence is None:
         return None
+    if envelope.kind in (Kind.ACCEPTED, Kind.HEARTBEAT):
+        kind = StageAccepted if envelope.kind is Kind.ACCEPTED else StageHeartbeat
+        attempt = envelope.attempt or 0
+        return kind(envelope.message_id, envelope.stage, attempt, envelope.fence, envelope.digest)
     if envelope.kind is Kind.RESULT and not envelope.digest:
         return None  # a result names the plan its task was dispatched under (invariant 5)
     if envelope.kind is Kind.RELEASE:
@@ -297,4 +330,6 @@ def _event(envelope: Envelope) -> Event | None:
         error_text,
         envelope.item,
         envelope.digest,
+        retryable=body.get("retryable") is not False,
+        cancelled=body.get("cancelled") is True,
     )

@@ -50,6 +50,7 @@ class ShardOptions:
     relay_interval_s: float = 5.0
     relay_min_age_ms: int = 2_000  # younger entries are most likely being published right now
     redis_retry_s: float = 0.5
+    timer_poll_s: float = 0.1  # how often the shard looks for due timers (retries, deadlines)
     crash_points: frozenset[str] = frozenset()  # tests only: see crash()
 
 
@@ -135,11 +136,15 @@ class ShardService:
         tag = await queue.consume(inbox.put, no_ack=False)
         await self._relay(shard, publisher)
         next_relay = time.monotonic() + self.options.relay_interval_s
+        next_timers = time.monotonic()
         try:
             while not self._stopping.is_set():
-                timeout = max(0.0, next_relay - time.monotonic())
+                if time.monotonic() >= next_timers:
+                    await self._fire_timers(shard, publisher)
+                    next_timers = time.monotonic() + self.options.timer_poll_s
+                timeout = max(0.0, min(next_relay, next_timers) - time.monotonic())
                 try:
-                    first = await asyncio.wait_for(inbox.get(), timeout=min(timeout, 0.5))
+                    first = await asyncio.wait_for(inbox.get(), timeout=timeout)
                 except TimeoutError:
                     if time.monotonic() >= next_relay:
                         await self._relay(shard, publisher)
@@ -246,6 +251,24 @@ class ShardService:
                 await delivery.message.ack()
             else:
                 await delivery.message.nack(requeue=True)
+
+    async def _fire_timers(self, shard: str, publisher: Publisher) -> None:
+        """Fire the shard's due timers. Every process serving the shard does this (a standby too): each
+        firing is a transition that claims its timer, so a timer acts once whoever fires it."""
+        outgoing: list[Outgoing] = []
+        for member in await self.store.due_timers(shard, self.clock_ms()):
+            try:
+                outgoing += (await self.processor.fire_timer(shard, member)).publish
+            except REDIS_DOWN:
+                raise
+            except Exception:  # a bug: keep the shard going; the timer stays and is tried again
+                log.exception("shard %s: firing timer %s failed", shard, member)
+        if not outgoing:
+            return
+        crash(self.options, "after-commit")
+        outgoing, done_locally = await self._continue_locally(shard, outgoing)
+        confirmed = await publisher.publish_all(outgoing, self.clock_ms())
+        await self.store.mark_sent(shard, confirmed + done_locally)
 
     async def _relay(self, shard: str, publisher: Publisher) -> None:
         """Re-publish outbox entries committed but never confirmed (a crash between commit and publish)."""

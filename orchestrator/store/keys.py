@@ -37,9 +37,19 @@ class ShardKeys:
     def runs(self) -> str:
         return f"{self.tag}:runs"
 
+    def timers(self) -> str:
+        return f"{self.tag}:timers"
+
     def transition_keys(self, run_id: str, barriers: list[str]) -> list[str]:
         """KEYS of every transition function, in the order helpers.lua documents."""
-        fixed = [self.run(run_id), self.history(run_id), self.applied(run_id), self.outbox(), self.runs()]
+        fixed = [
+            self.run(run_id),
+            self.history(run_id),
+            self.applied(run_id),
+            self.outbox(),
+            self.runs(),
+            self.timers(),
+        ]
         return fixed + [self.barrier(run_id, b) for b in barriers]
 
 

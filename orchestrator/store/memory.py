@@ -20,7 +20,7 @@ from orchestrator.store.spec import (
     snapshot_from_record,
 )
 
-APPLIED, DUPLICATE, CONFLICT, EXISTS, NO_RUN = 0, 1, 2, 3, 4
+APPLIED, DUPLICATE, CONFLICT, EXISTS, NO_RUN, TIMER_GONE = 0, 1, 2, 3, 4, 5
 
 
 @dataclass
@@ -36,6 +36,10 @@ class MemoryStore:
     retention_ms: int = 3_600_000
     runs: dict[str, MemoryRun] = field(default_factory=dict)
     outbox: dict[str, str] = field(default_factory=dict)  # id -> payload, in insertion order
+    timers: dict[str, int] = field(default_factory=dict)  # the shard's timer set: member -> due ms
+
+    def due_timers(self, now_ms: int) -> list[str]:
+        return [m for m, due in sorted(self.timers.items(), key=lambda t: (t[1], t[0])) if due <= now_ms]
 
     def snapshot(self, run_id: str) -> RunSnapshot | None:
         run = self.runs.get(run_id)
@@ -70,12 +74,13 @@ class MemoryStore:
             if exists:
                 return self._duplicate(run, body, None)  # type: ignore[arg-type]
             run = self.runs.setdefault(body["run_id"], MemoryRun())
-            self._write(run, body, names)
-            run.applied.add(body["mid"])
-            self._append(run, body)
+            self._commit(run, body, names)
             return APPLIED, body["mid"]
         if not exists or run is None:
+            self.timers.pop(body.get("claim") or "", None)  # a timer of an expired run
             return NO_RUN, ""
+        if spec.function == "saga_transition" and not self._claimed(body):
+            return TIMER_GONE, ""
         if spec.function == "saga_transition" and body["mid"] in run.applied:
             return self._duplicate(run, body, None)
         for k, member in body.get("absent", []):
@@ -86,10 +91,22 @@ class MemoryStore:
             return CONFLICT, failed
         if spec.function == "saga_arrive":
             return self._arrive(run, body, names)
-        self._write(run, body, names)
-        run.applied.add(body["mid"])
-        self._append(run, body)
+        self._commit(run, body, names)
         return APPLIED, body["mid"]
+
+    def _claimed(self, body: dict[str, Any]) -> bool:
+        claim = body.get("claim")
+        return not claim or self.timers.get(claim, body["at"] + 1) <= body["at"]
+
+    def _commit(self, run: MemoryRun, body: dict[str, Any], names: dict[int, str]) -> None:
+        self._write(run, body, names)
+        if body.get("remember", True):
+            run.applied.add(body["mid"])
+        for member in body.get("untimers", []):
+            self.timers.pop(member, None)
+        for member, due in body.get("timers", []):
+            self.timers[member] = due
+        self._append(run, body)
 
     def _arrive(self, run: MemoryRun, body: dict[str, Any], names: dict[int, str]) -> tuple[int, str]:
         a = body["arrival"]

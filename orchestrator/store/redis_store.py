@@ -24,7 +24,7 @@ from orchestrator.store.keys import ShardKeys, active_key, index_key, plan_key
 from orchestrator.store.spec import Spec, barrier_stages, build_spec, ordered_items, snapshot_from_record
 
 LUA_FILES = ("helpers.lua", "create.lua", "transition.lua", "arrive.lua", "mark_sent.lua")
-APPLIED, DUPLICATE, CONFLICT, EXISTS, NO_RUN = 0, 1, 2, 3, 4
+APPLIED, DUPLICATE, CONFLICT, EXISTS, NO_RUN, TIMER_GONE = 0, 1, 2, 3, 4, 5
 
 
 class PlanNotFound(SagaError):
@@ -195,6 +195,22 @@ class RedisStore:
             event.update(json.loads(f["detail"]))
             events.append(event)
         return events
+
+    # ---- timers ------------------------------------------------------------------------------------
+
+    async def due_timers(self, shard: str, now_ms: int, limit: int = 256) -> list[str]:
+        """Members of the shard's timer set due by ``now_ms``, earliest first."""
+        found = await self.client.zrangebyscore(self.keys(shard).timers(), "-inf", now_ms, start=0, num=limit)
+        return [_str(m) for m in found]
+
+    async def next_timer_ms(self, shard: str) -> int | None:
+        """When the shard's earliest timer is due (None: no timer)."""
+        first = await self.client.zrange(self.keys(shard).timers(), 0, 0, withscores=True)
+        return int(first[0][1]) if first else None
+
+    async def drop_timer(self, shard: str, member: str) -> None:
+        """Forget a timer whose run no longer exists (expired) or that is not one of ours."""
+        await self.client.zrem(self.keys(shard).timers(), member)
 
     async def run_ids(self, shard: str) -> list[str]:
         return [_str(r) for r in await self.client.zrange(self.keys(shard).runs(), 0, -1)]

@@ -25,7 +25,7 @@ from orchestrator.engine.model import (
     StageStatus,
 )
 
-FIRST_BARRIER_KEY = 6  # KEYS[6..] are barrier hashes (1-based, as Lua sees them)
+FIRST_BARRIER_KEY = 7  # KEYS[7..] are barrier hashes (1-based, as Lua sees them)
 
 
 def field_name(key: Key, name: str) -> str:
@@ -99,6 +99,10 @@ def build_spec(
         "history": [history_row(h) for h in decision.history],
         "expire_ms": retention_ms if decision.finished else 0,
         "absent": [[index[k.name], member] for k, member in decision.absent],
+        "timers": [[t.member, t.due_ms] for t in decision.timers],
+        "untimers": list(decision.untimers),
+        "claim": decision.claim,
+        "remember": decision.remember,
     }
     if decision.arrival is not None:
         a = decision.arrival

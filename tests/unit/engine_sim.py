@@ -8,7 +8,12 @@ messages are kept as a list of pending deliveries:
 * a ``task`` goes to a "worker": the demo handler for its contract is called directly and its outcome
   becomes a pending ``StageResult`` (or ``FinaliserResult``) for the shard;
 * a ``barrier.released`` becomes a pending ``BarrierReleased`` for the shard;
-* ``cancel`` and ``run.finished`` leave the system (kept in ``cancels`` and ``finished``).
+* ``cancel`` and ``run.finished`` leave the system (kept in ``cancels`` and ``finished``);
+* a task of a stage with deadlines is also accepted: its ``StageAccepted`` becomes pending before its
+  result;
+* durable timers wait in the store's timer set; :meth:`Sim.fire_next_timer` moves the clock to the
+  earliest and fires it (``run`` does when nothing else is pending, tests may do it at any time: a
+  timeout racing the result).
 
 Tests pick which pending delivery happens next (FIFO, by predicate, or at random), deliver one again (a
 duplicate), or inject an event of their own (a stale result). Every event the shard handled is logged with
@@ -25,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import workers.demo
-from orchestrator.engine import advance, ids
+from orchestrator.engine import advance, clocks, ids
 from orchestrator.engine.model import (
     BarrierReleased,
     Decision,
@@ -33,8 +38,10 @@ from orchestrator.engine.model import (
     FinaliserResult,
     Outgoing,
     RunSnapshot,
+    StageAccepted,
     StageResult,
     StartRun,
+    TimerFired,
     Verdict,
 )
 from orchestrator.store.memory import APPLIED, CONFLICT, MemoryStore
@@ -228,10 +235,21 @@ class Sim:
             raise AssertionError(f"unexpected message kind {message.kind!r}: {message}")
 
     def deliver(self, delivery: Delivery) -> Handled | None:
-        """Deliver (one more time) ``delivery``; a task's result becomes pending."""
+        """Deliver (one more time) ``delivery``; a task's acceptance (if asked for) and result become
+        pending."""
         self.delivered.append(delivery)
         if delivery.kind == "task":
             assert delivery.task is not None
+            body = delivery.task.body
+            if body.get("report"):
+                accepted = StageAccepted(
+                    ids.message_id("accepted", self.run_id, body["stage"], body["fence"]),
+                    str(body["stage"]),
+                    int(body["attempt"]),
+                    str(body["fence"]),
+                    str(body["digest"]),
+                )
+                self.pending.append(Delivery("event", event=accepted))
             self.pending.append(Delivery("event", event=self.work(delivery.task)))
             return None
         assert delivery.event is not None
@@ -249,15 +267,29 @@ class Sim:
     def deliver_task(self, stage: str, item: int | None = None) -> Handled | None:
         """Run the pending task of ``stage`` (and ``item``) and deliver its result at once."""
         self.deliver_where(lambda d: d.kind == "task" and d.stage == stage and d.item == item)
+        if any(isinstance(d.event, StageAccepted) and d.stage == stage for d in self.pending):
+            self.deliver_where(lambda d: isinstance(d.event, StageAccepted) and d.stage == stage)
         return self.deliver_where(lambda d: d.kind == "event" and d.stage == stage and d.item == item)
 
     def run(self, limit: int = 100_000) -> None:
-        """Deliver everything pending, first in first out, until nothing is left."""
+        """Deliver everything pending, first in first out, then fire timers, until nothing is left."""
         for _ in range(limit):
-            if not self.pending:
+            if self.pending:
+                self.deliver_at(0)
+            elif self.store.timers:
+                self.fire_next_timer()
+            else:
                 return
-            self.deliver_at(0)
         raise AssertionError("the run did not quiesce")
+
+    def fire_next_timer(self) -> Handled:
+        """Move the clock to the earliest timer and fire it, as the shard's timer loop does."""
+        member, due = min(self.store.timers.items(), key=lambda t: (t[1], t[0]))
+        self.clock = max(self.clock, due)
+        parsed = clocks.parse_member(member)
+        assert parsed is not None, member
+        _, clock, stage, fence = parsed
+        return self.handle(TimerFired(f"timer-{member}", clock, stage, fence, member))
 
     # ---- the worker side ----------------------------------------------------------------------------
 

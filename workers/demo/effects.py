@@ -4,7 +4,8 @@
   prove a redelivered task did not act twice.
 * Faults are set per model id (per run id for the audit finaliser):
   ``HSET <prefix>:demo:faults:<modelId> fail:thumbnail.render 1 delay:semantic.analyse 200`` makes that
-  contract fail, or sleep first, for that model only.
+  contract fail, or sleep first, for that model only; ``fail-times:<contract> N`` fails its first N calls
+  (then it succeeds: a transient failure for retries to get past).
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ import redis.asyncio as aioredis
 # effect once per idempotency key. Returns {fail, delay_ms, first}.
 ACT = """
 local fail = redis.call('HGET', KEYS[1], 'fail:' .. ARGV[1])
+if not fail and redis.call('HEXISTS', KEYS[1], 'fail-times:' .. ARGV[1]) == 1 then
+  fail = redis.call('HINCRBY', KEYS[1], 'fail-times:' .. ARGV[1], -1) >= 0
+end
 local delay = redis.call('HGET', KEYS[1], 'delay:' .. ARGV[1])
 if fail then return {1, tonumber(delay) or 0, 0} end
 local first = redis.call('HSETNX', KEYS[2], ARGV[2], ARGV[1])
@@ -50,10 +54,14 @@ class DemoWorld:
         raw = self.client.hgetall(self._key("effects"))
         return {str(k): str(v) for k, v in raw.items()}  # type: ignore[union-attr]
 
-    def set_fault(self, model_id: str, contract: str, *, fail: bool = False, delay_ms: int = 0) -> None:
+    def set_fault(
+        self, model_id: str, contract: str, *, fail: bool = False, delay_ms: int = 0, fail_times: int = 0
+    ) -> None:
         fields: dict[str, str] = {}
         if fail:
             fields[f"fail:{contract}"] = "1"
+        if fail_times:
+            fields[f"fail-times:{contract}"] = str(fail_times)
         if delay_ms:
             fields[f"delay:{contract}"] = str(delay_ms)
         if fields:

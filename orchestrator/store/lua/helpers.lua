@@ -7,10 +7,11 @@
 --   KEYS[3] applied set     (ids of messages already applied to this run)
 --   KEYS[4] shard outbox    (hash: message id -> payload, present while unsent)
 --   KEYS[5] shard run index (sorted set: run id by creation time, for listing runs)
---   KEYS[6..] the run's barrier hashes (member -> value), named by index in the spec
+--   KEYS[6] shard timers    (sorted set: "<run>|<clock>|<stage>|<fence>" by due time in ms)
+--   KEYS[7..] the run's barrier hashes (member -> value), named by index in the spec
 -- ARGV[1] is the transition spec, JSON (see orchestrator/store/redis_store.py, _spec).
 
-local APPLIED, DUPLICATE, CONFLICT, EXISTS, NO_RUN = 0, 1, 2, 3, 4
+local APPLIED, DUPLICATE, CONFLICT, EXISTS, NO_RUN, TIMER_GONE = 0, 1, 2, 3, 4, 5
 
 local function is_null(v)
   return v == nil or v == cjson.null
@@ -51,12 +52,29 @@ local function apply_writes(keys, spec)
   end
 end
 
+-- A fired timer acts only if its member is still in the timer set and due: a result that won the race
+-- removed it, a heartbeat moved it into the future. Either way the timer has nothing left to do.
+local function timer_claimed(keys, spec)
+  if is_null(spec.claim) then return true end
+  local due = redis.call('ZSCORE', keys[6], spec.claim)
+  return due and tonumber(due) <= spec.at
+end
+
+local function apply_timers(keys, spec)
+  for _, m in ipairs(spec.untimers) do
+    redis.call('ZREM', keys[6], m)
+  end
+  for _, t in ipairs(spec.timers) do
+    redis.call('ZADD', keys[6], t[2], t[1])
+  end
+end
+
 local function finish(keys, spec)
   if spec.expire_ms > 0 then
     -- the listing forgets runs whose records have expired
     redis.call('ZREMRANGEBYSCORE', keys[5], '-inf', '(' .. (spec.at - spec.expire_ms))
     for i = 1, #keys do
-      if i ~= 4 and i ~= 5 then redis.call('PEXPIRE', keys[i], spec.expire_ms) end
+      if i ~= 4 and i ~= 5 and i ~= 6 then redis.call('PEXPIRE', keys[i], spec.expire_ms) end
     end
   end
 end
@@ -64,7 +82,8 @@ end
 -- Every write of an accepted transition, after all its checks passed.
 local function commit(keys, spec)
   apply_writes(keys, spec)
-  redis.call('SADD', keys[3], spec.mid)
+  if spec.remember then redis.call('SADD', keys[3], spec.mid) end
+  apply_timers(keys, spec)
   append_outbox(keys[4], spec.outbox)
   append_history(keys[2], spec.history, spec.at)
   finish(keys, spec)

@@ -1,0 +1,171 @@
+"""Events about an attempt's liveness and the run's clocks: acceptance, heartbeats, fired timers and
+cancellation requests.
+
+Exactly one outcome per (run, stage, attempt): a result and a timeout for the same attempt both expect the
+attempt's fence and status, so whichever commits first wins and the other is then stale. A fired timer
+also claims its member in the shard's timer set, so a timer that was moved (a heartbeat) or cleared
+(the result won) cannot act.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from orchestrator.engine import clocks, ids
+from orchestrator.engine.model import (
+    ACTIVE_STAGE_STATUSES,
+    RUN,
+    CancelRun,
+    Clock,
+    Decision,
+    Intent,
+    Key,
+    RunStatus,
+    StageAccepted,
+    StageHeartbeat,
+    StageRecord,
+    StageStatus,
+    TimerFired,
+    Verdict,
+)
+from orchestrator.engine.step import Step, rejected
+
+FENCED_OFF = frozenset({StageStatus.CANCELLED, StageStatus.TIMED_OUT})
+
+
+def _attempt_problem(step: Step, stage: str, fence: str) -> tuple[Verdict, str] | None:
+    """Why an acceptance or heartbeat names no live attempt (None: it does)."""
+    rec = step.run.stages.get(stage)
+    plan_stage = step.plan["stages"].get(stage)
+    if rec is None or plan_stage is None or not clocks.needs_acceptance(plan_stage):
+        return Verdict.INVALID, f"stage {stage!r} has no attempt that reports acceptance"
+    if rec.fence != fence:
+        return Verdict.STALE, f"fence {fence} is not the current {rec.fence}"
+    if step.run.intent is not None:
+        return Verdict.LATE, f"the run already has the {step.run.intent.value} intent"
+    if rec.status not in ACTIVE_STAGE_STATUSES:
+        return Verdict.LATE, f"the attempt is already {rec.status.value}"
+    return None
+
+
+def _recancel(step: Step, stage: str, fence: str, cause: str) -> None:
+    """A worker is working on an attempt the orchestrator gave up on: it missed the cancel, say it again."""
+    rec = step.run.stages.get(stage)
+    if rec is not None and rec.fence == fence and rec.status in FENCED_OFF:
+        step.request_cancel(stage, fence, cause)
+
+
+def accepted(step: Step, event: StageAccepted) -> Decision:
+    problem = _attempt_problem(step, event.stage, event.fence)
+    if problem is not None:
+        decision = rejected(problem[0], problem[1], event.stage, event.attempt)
+        _recancel(step, event.stage, event.fence, event.message_id)
+        return _with_outgoing(decision, step)
+    rec = step.run.stages[event.stage]
+    stage = step.plan["stages"][event.stage]
+    if rec.status is StageStatus.RUNNING:  # another worker took a redelivered task: it is alive now
+        _start_heartbeat_clock(step, event.stage, stage, rec.fence)
+        step.record("stage.accepted", event.stage, rec.attempt, again=True)
+    else:
+        step.set_stage(event.stage, StageRecord(StageStatus.RUNNING, rec.attempt, rec.fence))
+        step.clear_timer(Clock.QUEUE, event.stage, rec.fence)
+        if stage.get("execution_deadline_ms"):
+            step.set_timer(Clock.EXECUTION, event.stage, rec.fence, stage["execution_deadline_ms"])
+        _start_heartbeat_clock(step, event.stage, stage, rec.fence)
+        step.record("stage.accepted", event.stage, rec.attempt)
+    _guard(step, event.stage, rec)
+    return step.decision()
+
+
+def heartbeat(step: Step, event: StageHeartbeat) -> Decision:
+    """Moves the heartbeat deadline; nothing in history (a long task beats often), nothing remembered."""
+    step.remember = False
+    problem = _attempt_problem(step, event.stage, event.fence)
+    rec = step.run.stages.get(event.stage)
+    if problem is not None or rec is None:
+        _recancel(step, event.stage, event.fence, event.message_id)  # the heartbeat's reply: stop
+        return step.decision(problem[0] if problem else Verdict.INVALID)
+    _start_heartbeat_clock(step, event.stage, step.plan["stages"][event.stage], rec.fence)
+    _guard(step, event.stage, rec)
+    return step.decision()
+
+
+def _start_heartbeat_clock(step: Step, name: str, stage: Mapping[str, Any], fence: str) -> None:
+    if stage.get("heartbeat_timeout_ms"):
+        step.set_timer(Clock.HEARTBEAT, name, fence, stage["heartbeat_timeout_ms"])
+
+
+def _guard(step: Step, name: str, rec: StageRecord) -> None:
+    step.expect(Key("stage", name), "fence", rec.fence)
+    step.expect(Key("stage", name), "status", rec.status.value)
+    step.expect(RUN, "intent", None)
+
+
+def timer_fired(step: Step, event: TimerFired) -> Decision:
+    step.remember = False  # the claim on the timer member is the dedupe
+    step.claim = event.member
+    step.untimers.add(event.member)  # whatever the verdict, this timer is done
+    if event.clock is Clock.RUN:
+        return _run_deadline(step, event)
+    rec = step.run.stages.get(event.stage)
+    stage = step.plan["stages"].get(event.stage)
+    if rec is None or stage is None or rec.fence != event.fence or step.run.intent is not None:
+        return step.decision(Verdict.STALE)  # an older attempt's clock, or the run is ending
+    if event.clock is Clock.RETRY:
+        if rec.status is not StageStatus.RETRY_SCHEDULED:
+            return step.decision(Verdict.STALE)
+        _guard(step, event.stage, rec)
+        step.dispatch(event.stage, stage, rec.attempt + 1)
+        return step.decision()
+    if rec.status not in _WATCHED_BY[event.clock]:
+        return step.decision(Verdict.STALE)
+    _guard(step, event.stage, rec)
+    _time_out(step, event, stage, rec)
+    return step.decision()
+
+
+# The attempt states each clock watches: a queue clock only until acceptance.
+_WATCHED_BY = {
+    Clock.QUEUE: frozenset({StageStatus.DISPATCHED}),
+    Clock.EXECUTION: ACTIVE_STAGE_STATUSES,
+    Clock.HEARTBEAT: frozenset({StageStatus.RUNNING}),
+}
+
+
+def _time_out(step: Step, event: TimerFired, stage: Mapping[str, Any], rec: StageRecord) -> None:
+    """The attempt is fenced off: a later result from it is stale. The remote work may well still be
+    running, so the workers are asked to stop it, and the next attempt (if any) gets a new fence."""
+    limit = stage.get(clocks.ATTEMPT_CLOCKS[event.clock])
+    error = clocks.WHAT_EXPIRED[event.clock].format(ms=limit)
+    step.record("stage.timed_out", event.stage, rec.attempt, clock=event.clock.value, error=error)
+    step.request_cancel(event.stage, rec.fence)
+    step.fail_attempt(event.stage, stage, rec, error, retryable=True, status=StageStatus.TIMED_OUT)
+
+
+def _run_deadline(step: Step, event: TimerFired) -> Decision:
+    run = step.run
+    current = event.fence == ids.run_fence(run.epoch)
+    if not current or run.intent is not None or run.status is not RunStatus.RUNNING:
+        return step.decision(Verdict.STALE)
+    error = clocks.WHAT_EXPIRED[Clock.RUN].format(ms=step.plan.get("run_deadline_ms"))
+    step.record("run.timed_out", error=error)
+    step.set_intent(Intent.FAILED, error)
+    return step.decision()
+
+
+def cancel_run(step: Step, event: CancelRun) -> Decision:
+    run = step.run
+    if run.intent is not None:
+        why = f"the run already has the {run.intent.value} intent ({run.reason or 'no reason'})"
+        return rejected(Verdict.LATE, why, None)
+    reason = "cancelled" + (f": {event.reason}" if event.reason else "")
+    step.record("cancel.requested", by=event.requested_by, why=event.reason)
+    step.set_intent(Intent.FAILED, reason)
+    return step.decision()
+
+
+def _with_outgoing(decision: Decision, step: Step) -> Decision:
+    if not step.outgoing:
+        return decision
+    return Decision(verdict=decision.verdict, history=decision.history, outgoing=tuple(step.outgoing))

@@ -1,0 +1,276 @@
+"""Failure handling on the real services: retries with fencing, the three clocks, cancellation.
+
+Each test publishes a small probe definition of its own (one worker stage around the demo's
+``thumbnail.render@3``, whose faults are set per model id) and drives real orchestrator and worker
+processes. What the tests read is the durable history: every assertion is about what was recorded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from orchestrator.client import SyncClient
+from orchestrator.compiler import compile_text
+from orchestrator.provision import publish_plans
+from tests.integration.stack import REGISTRY, ROOT, Stack, poll, running
+
+pytestmark = pytest.mark.services
+
+PROBE = """
+name: {name}
+version: "1.0.0"
+class: fast
+entry: render
+context:
+  type: object
+  properties:
+    modelId: {{ type: string, minLength: 1 }}
+  required: [modelId]
+{run_deadline}
+stages:
+  - name: render
+    type: worker
+    queue: rendering
+    worker: thumbnail.render@3
+    input: {{ modelId: "${{context.modelId}}" }}
+{stage_extra}
+    on_success: completed
+    on_failure: failed
+finalisers: [audit.run-terminal@1]
+terminals: [completed, failed]
+"""
+
+
+@pytest.fixture(scope="module")
+def stack() -> Iterator[Stack]:
+    with running("failures") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(stack: Stack) -> Iterator[SyncClient]:
+    with SyncClient(stack.settings) as c:
+        yield c
+
+
+def probe(stack: Stack, name: str, *stage_lines: str, run_deadline_ms: int | None = None) -> str:
+    """Publish (and activate) a one-stage probe definition; returns its name."""
+    text = PROBE.format(
+        name=name,
+        run_deadline=f"run_deadline_ms: {run_deadline_ms}" if run_deadline_ms else "",
+        stage_extra="\n".join(f"    {line}" for line in stage_lines),
+    )
+    plan = compile_text(text, f"{name}.yaml", REGISTRY)
+    asyncio.run(publish_plans(stack.settings, [plan]))
+    return name
+
+
+def history(stack: Stack, run_id: str) -> list[dict[str, Any]]:
+    """The run's history as ``saga history --json`` shows it: detail fields beside kind and stage."""
+    return [
+        {
+            **e["detail"],
+            "kind": e["kind"],
+            "stage": e["stage"] or None,
+            "attempt": int(e["attempt"]) if e["attempt"] else None,
+            "at": int(e["at"]),
+        }
+        for e in stack.history(run_id)
+    ]
+
+
+def events(stack: Stack, run_id: str, kind: str) -> list[dict[str, Any]]:
+    return [e for e in history(stack, run_id) if e["kind"] == kind]
+
+
+def outcomes_per_attempt(stack: Stack, run_id: str) -> Counter[tuple[str, int]]:
+    """(stage, attempt) -> how many outcomes were recorded for it: completed, failed or timed out."""
+    kinds = ("stage.completed", "stage.failed", "stage.timed_out")
+    return Counter((e["stage"], e["attempt"]) for e in history(stack, run_id) if e["kind"] in kinds)
+
+
+def at_least(n: int, found: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    return found if len(found) >= n else None
+
+
+def test_transient_failures_are_retried_with_new_attempts_fences_and_backoff(
+    stack: Stack, client: SyncClient
+) -> None:
+    name = probe(stack, "probe-retry", "retry: { max_attempts: 3, initial_backoff_ms: 300, jitter: 0.5 }")
+    stack.world.set_fault("retry-1", "thumbnail.render", fail_times=2)
+    run_id = client.start(name, {"modelId": "retry-1"})
+    result = client.wait(run_id, timeout_s=30)
+    assert result.state == "completed", result
+    # three attempts, each with its own fence; the first two failed as retryable, the third completed
+    dispatched = events(stack, run_id, "stage.dispatched")
+    assert [e["attempt"] for e in dispatched] == [1, 2, 3]
+    record = stack.record(run_id)
+    assert record["s:render:fence"] == "1.3" and record["s:render:attempt"] == "3"
+    failed = events(stack, run_id, "stage.failed")
+    assert [(e["attempt"], e["retryable"]) for e in failed] == [(1, True), (2, True)]
+    # each retry waited its backoff (exponential, minus at most half of it as jitter) on a durable timer
+    scheduled = events(stack, run_id, "retry.scheduled")
+    assert [e["next_attempt"] for e in scheduled] == [2, 3]
+    for retry, nominal in zip(scheduled, (300, 600), strict=True):
+        assert nominal * 0.5 <= retry["delay_ms"] <= nominal
+        next_dispatch = next(e for e in dispatched if e["attempt"] == retry["next_attempt"])
+        assert next_dispatch["at"] - retry["at"] >= retry["delay_ms"]
+    assert all(n == 1 for n in outcomes_per_attempt(stack, run_id).values())
+    assert stack.redis.zcard(f"{stack.prefix}:{{{record['shard']}}}:timers") == 0
+
+
+def test_a_queue_deadline_fences_attempts_nobody_took_and_their_late_work_is_recorded(
+    stack: Stack, client: SyncClient
+) -> None:
+    name = probe(
+        stack,
+        "probe-queue-deadline",
+        "queue_deadline_ms: 400",
+        "retry: { max_attempts: 2, initial_backoff_ms: 50 }",
+    )
+    stack.stop("worker")  # nobody consumes the task queue
+    try:
+        run_id = client.start(name, {"modelId": "queue-1"})
+        poll(lambda: stack.record(run_id).get("intent") == "failed", 30, what="the failed intent")
+    finally:
+        stack.start_worker()
+    result = client.wait(run_id, timeout_s=30)  # the finaliser needed a worker
+    # both attempts timed out on their queue clock, the run failed (its finaliser still ran)
+    assert result.state == "failed"
+    assert result.reason is not None and "queue deadline of 400 ms passed" in result.reason
+    timed_out = events(stack, run_id, "stage.timed_out")
+    assert [(e["attempt"], e["clock"]) for e in timed_out] == [(1, "queue"), (2, "queue")]
+    assert events(stack, run_id, "finaliser.completed")
+    # a timeout does not pretend the work stopped: the worker, back, still takes both stale tasks, and
+    # their reports (two acceptances, two results; the last may instead acknowledge a cancel) change
+    # nothing
+    reports = poll(
+        lambda: at_least(3, events(stack, run_id, "callback.rejected")),
+        30,
+        what="the fenced attempts' late reports",
+    )
+    assert {e["reason"] for e in reports} <= {"late", "stale"}
+    assert stack.record(run_id)["status"] == "failed"
+    assert all(n == 1 for n in outcomes_per_attempt(stack, run_id).values())
+
+
+def test_a_heartbeat_timeout_fences_a_stalled_attempt_and_the_retry_completes(
+    stack: Stack, client: SyncClient
+) -> None:
+    name = probe(
+        stack,
+        "probe-heartbeat",
+        "heartbeat_timeout_ms: 900",
+        "retry: { max_attempts: 2, initial_backoff_ms: 50 }",
+    )
+    stack.world.set_fault("hb-1", "thumbnail.render", delay_ms=2500)
+    # a worker of its own, so stopping it stalls only this test's attempt
+    stack.stop("worker")
+    stack.start_worker("stalling")
+    run_id = client.start(name, {"modelId": "hb-1"})
+    poll(lambda: events(stack, run_id, "stage.accepted"), 20, what="the attempt accepted")
+    stalled = stack.processes["stalling"]
+    stalled.send_signal(signal.SIGSTOP)  # alive but silent: no heartbeat, no result
+    try:
+        poll(lambda: events(stack, run_id, "stage.timed_out"), 20, what="the heartbeat timeout")
+    finally:
+        stalled.send_signal(signal.SIGCONT)
+    stack.start_worker()
+    result = client.wait(run_id, timeout_s=30)
+    stack.stop("stalling")
+    # attempt 1 was fenced by its heartbeat clock; attempt 2 (a new fence) completed the stage
+    assert result.state == "completed", result
+    timed_out = events(stack, run_id, "stage.timed_out")
+    assert [(e["attempt"], e["clock"]) for e in timed_out] == [(1, "heartbeat")]
+    completed = events(stack, run_id, "stage.completed")
+    assert [e["attempt"] for e in completed] == [2]
+    assert stack.record(run_id)["s:render:fence"] == "1.2"
+    assert all(n == 1 for n in outcomes_per_attempt(stack, run_id).values())
+
+
+def test_results_racing_their_execution_deadline_have_exactly_one_outcome(
+    stack: Stack, client: SyncClient
+) -> None:
+    # the handler takes about as long as the deadline allows: some results win, some timeouts do
+    name = probe(stack, "probe-race", "execution_deadline_ms: 300")
+    run_ids = []
+    for i in range(24):
+        model = f"race-{i}"
+        stack.world.set_fault(model, "thumbnail.render", delay_ms=240 + 10 * (i % 12))
+        run_ids.append(client.start(name, {"modelId": model}))
+    states = {run_id: client.wait(run_id, timeout_s=60).state for run_id in run_ids}
+    for run_id, state in states.items():
+        counts = outcomes_per_attempt(stack, run_id)
+        assert counts == Counter({("render", 1): 1}), (run_id, counts)
+        won = bool(events(stack, run_id, "stage.completed"))
+        assert (state == "completed") == won, (run_id, state)
+        assert not won or "s:render:result" in stack.record(run_id)
+        assert won or stack.record(run_id)["s:render:status"] == "timed-out"
+
+
+def test_the_run_deadline_fails_the_run_and_stops_its_running_stage(stack: Stack, client: SyncClient) -> None:
+    name = probe(stack, "probe-run-deadline", run_deadline_ms=700)
+    stack.world.set_fault("deadline-1", "thumbnail.render", delay_ms=5000)
+    run_id = client.start(name, {"modelId": "deadline-1"})
+    result = client.wait(run_id, timeout_s=30)
+    assert result.state == "failed"
+    assert result.reason == "run deadline of 700 ms passed"
+    assert [e["stage"] for e in events(stack, run_id, "cancellation.requested")] == ["render"]
+    acknowledged = poll(
+        lambda: events(stack, run_id, "cancellation.acknowledged"), 10, what="the worker stopping"
+    )
+    assert acknowledged[0]["stage"] == "render"
+    assert stack.record(run_id)["s:render:status"] == "cancelled"
+    assert events(stack, run_id, "finaliser.completed")
+
+
+def test_saga_cancel_cancels_a_running_run(stack: Stack, client: SyncClient) -> None:
+    name = probe(stack, "probe-cancel")
+    stack.world.set_fault("cancel-1", "thumbnail.render", delay_ms=5000)
+    run_id = client.start(name, {"modelId": "cancel-1"})
+    poll(lambda: stack.record(run_id).get("s:render:status") == "queued", 10, what="render dispatched")
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "orchestrator",
+            "cancel",
+            run_id,
+            "--reason",
+            "operator says stop",
+            "--wait",
+            "20",
+        ],
+        cwd=ROOT,
+        env={**os.environ, **stack.env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "the run is failed (cancelled: operator says stop)" in done.stdout
+    requested = events(stack, run_id, "cancel.requested")
+    assert len(requested) == 1 and requested[0]["why"] == "operator says stop" and requested[0]["by"]
+    poll(lambda: events(stack, run_id, "cancellation.acknowledged"), 10, what="the worker stopping")
+    # a second request for a run that already ended changes nothing and is recorded as late
+    asyncio.run(_cancel_again(stack, run_id))
+    late = poll(lambda: events(stack, run_id, "callback.rejected"), 10, what="the late cancel recorded")
+    assert late[-1]["reason"] == "late"
+    assert stack.record(run_id)["reason"] == "cancelled: operator says stop"
+
+
+async def _cancel_again(stack: Stack, run_id: str) -> None:
+    from orchestrator.client import Client
+
+    async with Client(stack.settings) as client:
+        await client.cancel(run_id, "again")
