@@ -10,7 +10,7 @@ import asyncio
 import json
 import logging
 import sys
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
@@ -21,6 +21,8 @@ import click
 import pamqp.exceptions
 import pydantic
 
+from orchestrator import deadletters
+from orchestrator.bus import names
 from orchestrator.bus.topology import Topology, apply_topology, to_definitions, topology_for
 from orchestrator.compiler import CompiledPlan, compile_text
 from orchestrator.compiler.mermaid import render_mermaid
@@ -323,6 +325,190 @@ def topology_export(
     except OSError as exc:
         raise click.UsageError(f"cannot write {output}: {exc.strerror}") from exc
     click.echo(f"wrote {built.summary()} to {output}", err=True)
+
+
+# ---- saga dead-letters ------------------------------------------------------------------------------------
+
+T = TypeVar("T")
+
+
+def _dead_letter_queues(queue: str | None, modules: tuple[str, ...], registry_file: str | None) -> list[str]:
+    """The queue asked for, or every dead-letter queue of the topology (so contracts' queues too)."""
+    if queue is not None:
+        try:
+            return [deadletters.require_dead_letter_queue(queue)]
+        except deadletters.NotADeadLetterQueue as exc:
+            raise click.BadParameter(str(exc), param_hint="--queue") from exc
+    return deadletters.dead_letter_queues(_topology_of(_env(modules, registry_file)))
+
+
+def _on_broker(call: Callable[[aio_pika.abc.AbstractConnection], Awaitable[T]]) -> T:
+    """Run ``call`` on a fresh connection to $SAGA_AMQP_URL. An id or queue that is not there exits 1; a
+    broker that cannot be reached or fails midway is a configuration error (exit 2), and whatever was read
+    and not yet acked goes back to its queue when the connection closes."""
+    url = load_settings().amqp_url
+    broker_errors = (aiormq.exceptions.AMQPError, pamqp.exceptions.PAMQPException, OSError, TimeoutError)
+
+    async def go() -> T:
+        logging.getLogger("aiormq").addHandler(logging.NullHandler())
+        try:
+            connection = await aio_pika.connect(url, timeout=10)
+        except (*broker_errors, ValueError) as exc:
+            raise _BrokerError(
+                f"cannot connect to RabbitMQ at {_redacted(url)}: {_broker_reason(exc, url)}"
+            ) from exc
+        try:
+            return await call(connection)
+        except broker_errors as exc:
+            raise _BrokerError(f"RabbitMQ at {_redacted(url)} failed: {_broker_reason(exc, url)}") from exc
+        finally:
+            await connection.close()
+
+    try:
+        return asyncio.run(go())
+    except deadletters.DeadLetterError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(1)
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'s' if n != 1 else ''}"
+
+
+def _letter_line(letter: deadletters.DeadLetter) -> str:
+    why = letter.reason + (f" x{letter.death_count}" if letter.death_count is not None else "")
+    why += f": {letter.detail}" if letter.detail else ""
+    parts = [
+        letter.message_id,
+        letter.kind or "?",
+        f"run {letter.run_id or '?'}",
+        f"stage {letter.stage or '-'}",
+        why,
+        f"from {letter.origin or '?'}",
+    ]
+    if letter.delivery_count:
+        parts.append(f"(inspected {letter.delivery_count}x before)")
+    return "  " + deadletters.printable("  ".join(parts), keep_newlines=False)
+
+
+def _print_listing(listing: deadletters.QueueListing) -> None:
+    if not listing.exists:
+        click.echo(f"{listing.queue}: not declared (run 'saga topology apply')")
+        return
+    click.echo(f"{listing.queue}: {_count(listing.count, 'message')}")
+    for letter in listing.letters:
+        click.echo(_letter_line(letter))
+    if listing.count > len(listing.letters):
+        click.echo(f"  ... and {listing.count - len(listing.letters)} more (raise --limit to see them)")
+
+
+_queue_option = click.option(
+    "--queue",
+    "queue",
+    default=None,
+    metavar="QUEUE",
+    help=f"Only this queue: a '<queue>.dlq' or {names.REJECTED_QUEUE} (default: every one of them).",
+)
+
+
+@main.group(name="dead-letters")
+def dead_letters() -> None:
+    """Messages the broker dead-lettered (every <queue>.dlq) or saga refused (saga.rejected).
+
+    Reading never consumes: messages are read without acking and handed back, in order, when the
+    command's channel closes."""
+
+
+@dead_letters.command(name="list")
+@_queue_option
+@click.option(
+    "--limit", default=1000, show_default=True, type=click.IntRange(min=1), help="Messages read per queue."
+)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@registry_options
+def dead_letters_list(
+    queue: str | None, limit: int, as_json: bool, modules: tuple[str, ...], registry_file: str | None
+) -> None:
+    """Per queue: its count, and per message its id, kind, run, stage, reason and original queue."""
+    queues = _dead_letter_queues(queue, modules, registry_file)
+    listings = _on_broker(lambda c: deadletters.list_queues(c, queues, limit, missing_ok=queue is None))
+    if as_json:
+        _emit_json(
+            {
+                "queues": [
+                    {
+                        "queue": q.queue,
+                        "exists": q.exists,
+                        "count": q.count,
+                        "messages": [letter.summary() for letter in q.letters],
+                    }
+                    for q in listings
+                ]
+            }
+        )
+        return
+    shown = [q for q in listings if q.count or not q.exists or queue is not None]
+    for listing in shown:
+        _print_listing(listing)
+    total = sum(q.count for q in listings)
+    click.echo(f"{_count(total, 'dead letter')} in {_count(len(listings), 'queue')}", err=True)
+
+
+@dead_letters.command(name="show")
+@click.argument("message_id")
+@_queue_option
+@click.option("--json", "as_json", is_flag=True, help="Print JSON (a list: one entry per copy found).")
+@registry_options
+def dead_letters_show(
+    message_id: str, queue: str | None, as_json: bool, modules: tuple[str, ...], registry_file: str | None
+) -> None:
+    """A dead letter's headers and decoded body (every copy, if the id is there more than once)."""
+    queues = _dead_letter_queues(queue, modules, registry_file)
+    found = _on_broker(lambda c: deadletters.show(c, queues, message_id, missing_ok=queue is None))
+    if as_json:
+        _emit_json([detail.document() for detail in found])
+        return
+    for detail in found:
+        click.echo(f"{deadletters.printable(detail.letter.message_id)} on {detail.letter.queue}")
+        click.echo(_letter_line(detail.letter))
+        for title, table in (("properties", detail.properties), ("headers", detail.headers)):
+            click.echo(title)
+            for name, value in table.items():
+                text = json.dumps(value, ensure_ascii=False, sort_keys=True)
+                click.echo(deadletters.printable(f"  {name}: {text}", keep_newlines=False))
+        click.echo("body")
+        click.echo(deadletters.render_body(detail.body))
+
+
+@dead_letters.command(name="replay")
+@click.argument("message_id", required=False)
+@click.option("--all", "replay_all", is_flag=True, help="Replay every message of the queue(s).")
+@_queue_option
+@registry_options
+def dead_letters_replay(
+    message_id: str | None,
+    replay_all: bool,
+    queue: str | None,
+    modules: tuple[str, ...],
+    registry_file: str | None,
+) -> None:
+    """Publish MESSAGE_ID (or --all) back to the queue it came from; the dead letter is removed only once
+    the broker confirms the copy. Exit 1 if any could not be replayed (they stay where they were)."""
+    if (message_id is None) == (not replay_all):
+        raise click.UsageError("give either a MESSAGE_ID or --all (not both)")
+    queues = _dead_letter_queues(queue, modules, registry_file)
+    done = _on_broker(lambda c: deadletters.replay(c, queues, message_id, missing_ok=queue is None))
+    for item in done:
+        letter = item.letter
+        if item.error is None:
+            click.echo(
+                f"replayed {deadletters.printable(letter.message_id)} from {letter.queue} to {item.target}"
+            )
+        else:
+            click.echo(f"error: {deadletters.printable(item.error)}", err=True)
+    failed = sum(1 for item in done if item.error is not None)
+    click.echo(f"replayed {len(done) - failed} of {len(done)}", err=True)
+    sys.exit(1 if failed else 0)
 
 
 def _register_runtime_commands() -> None:

@@ -3,7 +3,7 @@ down. Nothing else reads the environment."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -13,6 +13,10 @@ from orchestrator.dsl.expressions import ExpressionLimits
 from orchestrator.dsl.yaml_source import YamlLimits
 
 DEFAULT_CONTRACT_MODULES = ("workers.demo",)
+#: The signing key every fresh checkout shares: fine on a laptop, a forgery licence anywhere else, so
+#: production mode refuses to start with it (orchestrator/durability.py).
+DEVELOPMENT_SIGNING_SECRET = "saga-development-signing-key"
+DEVELOPMENT_SIGNING_KEY = f"dev:{DEVELOPMENT_SIGNING_SECRET}"
 
 
 def _split(value: object) -> object:
@@ -40,6 +44,11 @@ class Settings(BaseSettings):
     max_definition_bytes: int = 1_048_576
 
     # ---- runtime -----------------------------------------------------------------------------------
+    mode: Literal["development", "production"] = Field(
+        "development",
+        description="production: the orchestrator and workers refuse to start on settings that can lose "
+        "runs or admit forged messages (Redis without AOF, the development signing key)",
+    )
     amqp_url: str = "amqp://guest:guest@127.0.0.1:5672/"
     redis_url: str = "redis://127.0.0.1:6379/0"
     key_prefix: str = Field("saga", description="prefix of every Redis key (tests use their own)")
@@ -48,7 +57,7 @@ class Settings(BaseSettings):
     delivery_limit: int = Field(20, ge=2, description="x-delivery-limit of shard queues")
     amqp_heartbeat_s: int = Field(5, ge=1, description="short, so a standby takes over in seconds")
     signing_keys: Annotated[tuple[str, ...], NoDecode] = Field(
-        ("dev:saga-development-signing-key",),
+        (DEVELOPMENT_SIGNING_KEY,),
         description="id:secret pairs, comma-separated; the first signs, all verify (rotation)",
     )
     max_message_bytes: int = Field(1_048_576, ge=1024)

@@ -147,7 +147,8 @@ class WorkerRuntime:
         try:
             envelope = decode(message.body, self.signer, self.max_message_bytes)
         except EnvelopeRejected as exc:
-            await publisher.reject(message.body, exc.reason, exc.detail, message.routing_key or "")
+            source = message.routing_key or ""  # task queues are bound under their own names
+            await publisher.reject(message.body, exc.reason, exc.detail, source, message.message_id)
             self._acks.settled(message)
             return
         report = envelope.body.get("report") or {}

@@ -139,13 +139,16 @@ class Publisher:
         if not isinstance(confirmation, spec.Basic.Ack):
             raise aiormq.exceptions.DeliveryError(None, confirmation)  # type: ignore[arg-type]
 
-    async def reject(self, raw: bytes, reason: str, detail: str, source: str) -> None:
+    async def reject(
+        self, raw: bytes, reason: str, detail: str, source: str, message_id: str | None = None
+    ) -> None:
         """Park a refused message on saga.rejected with its reason (the broker's own dead-lettering
-        could only say 'rejected')."""
+        could only say 'rejected'), under its own AMQP message id so it can be found by it."""
         default = self.channel.default_exchange
         await default.publish(
             aio_pika.Message(
                 raw,
+                message_id=message_id,
                 headers={"x-saga-reason": reason, "x-saga-detail": detail[:1000], "x-saga-source": source},
                 delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
             ),

@@ -240,7 +240,13 @@ class ShardService:
                 await publisher.publish_envelope(delivery.envelope, names.RUNS_EXCHANGE, outcome.forward_to)
             elif outcome is not None and outcome.rejected:
                 reason, detail = outcome.rejected
-                await publisher.reject(delivery.message.body, reason, detail, names.shard_queue(shard))
+                await publisher.reject(
+                    delivery.message.body,
+                    reason,
+                    detail,
+                    names.shard_queue(shard),
+                    delivery.message.message_id,
+                )
 
     async def _ack(self, deliveries: list[_Delivery]) -> None:
         if all(d.error is None for d in deliveries):

@@ -1,0 +1,526 @@
+"""Dead letters: list, show and replay what the broker dead-lettered and what saga refused.
+
+Where they are:
+
+* ``<queue>.dlq`` (DESIGN section 4): the broker moves a message there from a shard or task queue when it is
+  rejected without requeue or goes over the queue's delivery limit; its ``x-death`` header says from which
+  queue and why.
+* ``saga.rejected``: messages an orchestrator or a worker refused before any write (forged, malformed,
+  oversized). ``Publisher.reject`` records ``x-saga-reason``, ``x-saga-detail`` and ``x-saga-source``, the
+  queue the message was refused on.
+
+Reading without consuming: AMQP 0-9-1 has no peek. We ``basic.get`` without acking, then close the channel,
+which hands every unacked message back to the head of its queue in its order (a crash of this process does
+the same). On a quorum queue each hand-back counts as a delivery (``x-delivery-count`` goes up), and a queue
+with an ``x-delivery-limit`` would dead-letter a message inspected often enough (or drop it, having no
+dead-letter exchange of its own). So only ``.dlq`` queues and ``saga.rejected`` are ever read here: the
+topology declares them with no delivery limit and no dead-letter exchange (``bus/topology.py``,
+``_plain``), so reading them cannot push a message anywhere. Live shard and task queues are refused: reading
+them would also take deliveries away from their consumers. At most the messages ready when a read starts are
+read, so a queue that keeps filling cannot keep a read going.
+
+Replaying publishes a copy back to the queue the message came from, on a confirm channel with ``mandatory``
+(an unroutable copy comes back as an error instead of vanishing), and acks the dead-letter copy only after
+the broker confirmed the new one: a failure at any point leaves the message where it was. A crash between
+the confirm and the ack leaves it in both places; message ids are deterministic, so its consumer recognises
+the second copy as a duplicate.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+from collections.abc import AsyncIterator, Iterable, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+import aio_pika
+import aiormq
+from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractQueue
+from pamqp import commands as spec
+
+from orchestrator.bus.names import REJECTED_QUEUE
+from orchestrator.bus.topology import Topology
+from orchestrator.errors import SagaError
+
+DLQ_SUFFIX = ".dlq"
+#: Headers ``Publisher.reject`` sets on a message it parks on saga.rejected.
+REASON_HEADER = "x-saga-reason"
+DETAIL_HEADER = "x-saga-detail"
+SOURCE_HEADER = "x-saga-source"
+#: Set on a replayed copy: where it was replayed from, for whoever finds it dead-lettered again.
+REPLAYED_FROM_HEADER = "x-saga-replayed-from"
+#: The broker's dead-letter bookkeeping and our refusal headers describe the dead copy, not the replayed one;
+#: the broker writes fresh ones if the copy dies again.
+_DEATH_HEADERS = frozenset(
+    {
+        "x-death",
+        "x-first-death-exchange",
+        "x-first-death-queue",
+        "x-first-death-reason",
+        "x-last-death-exchange",
+        "x-last-death-queue",
+        "x-last-death-reason",
+        "x-delivery-count",
+        REASON_HEADER,
+        DETAIL_HEADER,
+        SOURCE_HEADER,
+    }
+)
+GET_TIMEOUT_S = 10.0
+CONFIRM_TIMEOUT_S = 30.0
+
+
+class DeadLetterError(SagaError):
+    """Raised when a dead-letter command cannot do what it was asked; names the ids and what to do."""
+
+
+class NotADeadLetterQueue(DeadLetterError):
+    """Raised when asked to read a queue that is neither a ``<queue>.dlq`` nor saga.rejected."""
+
+    def __init__(self, queue: str) -> None:
+        self.queue = queue
+        super().__init__(
+            f"queue {queue!r} is not a dead-letter queue: reading a live queue would take deliveries from "
+            f"its consumers and spend their delivery limit; name a '<queue>{DLQ_SUFFIX}' queue or "
+            f"{REJECTED_QUEUE} ('saga dead-letters list' shows them all)"
+        )
+
+
+class QueueNotFound(DeadLetterError):
+    """Raised when a dead-letter queue asked for does not exist on the broker's vhost."""
+
+    def __init__(self, queue: str) -> None:
+        self.queue = queue
+        super().__init__(
+            f"queue {queue!r} does not exist on this vhost: check the name and SAGA_AMQP_URL, or run "
+            "'saga topology apply'"
+        )
+
+
+class MessageNotFound(DeadLetterError):
+    """Raised when no message with the id is on any of the queues searched."""
+
+    def __init__(self, message_id: str, queues: list[str]) -> None:
+        self.message_id = message_id
+        self.queues = queues
+        where = queues[0] if len(queues) == 1 else f"any of {len(queues)} dead-letter queues"
+        super().__init__(
+            f"message {message_id!r} is not on {where}: 'saga dead-letters list' shows the ids there are"
+        )
+
+
+class NotReplayable(DeadLetterError):
+    """Raised when nothing on a dead letter says which queue it belongs back on."""
+
+    def __init__(self, message_id: str, queue: str, why: str) -> None:
+        self.message_id = message_id
+        self.queue = queue
+        super().__init__(f"message {message_id!r} on {queue} cannot be replayed: {why}; it stays on {queue}")
+
+
+# ---- the pure part -------------------------------------------------------------------------------------
+
+
+def is_dead_letter_queue(queue: str) -> bool:
+    return queue == REJECTED_QUEUE or queue.endswith(DLQ_SUFFIX)
+
+
+def require_dead_letter_queue(queue: str) -> str:
+    if not is_dead_letter_queue(queue):
+        raise NotADeadLetterQueue(queue)
+    return queue
+
+
+def dead_letter_queues(topology: Topology) -> list[str]:
+    """Every ``.dlq`` queue of the topology, then saga.rejected."""
+    dlqs = [q.name for q in topology.queues if q.name.endswith(DLQ_SUFFIX)]
+    return [*dlqs, REJECTED_QUEUE]
+
+
+@dataclass(frozen=True)
+class DeadLetter:
+    """One message on a dead-letter queue, as ``list`` shows it.
+
+    ``message_id`` is the envelope's id when the body is one (saga.rejected copies lose the AMQP property,
+    which the client library then fills with a random id: ``amqp_message_id``), else the AMQP id, else a
+    digest of the body. ``reason`` is the broker's (``rejected``, ``delivery_limit``, ...; ``death_count``
+    times) or saga's refusal reason with its ``detail``. ``origin`` is the queue it belongs back on, if
+    known. ``delivery_count`` counts how often it was handed back to its dead-letter queue (inspections)."""
+
+    queue: str
+    message_id: str
+    amqp_message_id: str | None
+    kind: str | None
+    run_id: str | None
+    stage: str | None
+    reason: str
+    detail: str | None
+    death_count: int | None
+    origin: str | None
+    delivery_count: int
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "message_id": self.message_id,
+            "amqp_message_id": self.amqp_message_id,
+            "kind": self.kind,
+            "run_id": self.run_id,
+            "stage": self.stage,
+            "reason": self.reason,
+            "detail": self.detail,
+            "death_count": self.death_count,
+            "origin": self.origin,
+            "delivery_count": self.delivery_count,
+        }
+
+    def matches(self, message_id: str) -> bool:
+        return message_id in (self.message_id, self.amqp_message_id)
+
+
+@dataclass(frozen=True)
+class Detail:
+    """A dead letter with everything ``show`` prints: its properties, headers and body."""
+
+    letter: DeadLetter
+    properties: dict[str, Any]
+    headers: dict[str, Any]
+    body: bytes = field(repr=False)
+
+    def document(self) -> dict[str, Any]:
+        return {
+            "queue": self.letter.queue,
+            **self.letter.summary(),
+            "properties": self.properties,
+            "headers": self.headers,
+            **body_document(self.body),
+        }
+
+
+def _text(value: object) -> str | None:
+    if isinstance(value, bytes):
+        return value.decode("utf-8", errors="replace")
+    if value is None:
+        return None
+    return str(value)
+
+
+def _envelope_fields(body: bytes) -> Mapping[str, Any]:
+    """The body as a JSON object if it is one; saga bodies are envelopes. Never raises: anything can be
+    dead-lettered, garbage included."""
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _field(fields: Mapping[str, Any], name: str) -> str | None:
+    value = fields.get(name)
+    return value if isinstance(value, str) and value else None
+
+
+def _last_death(headers: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """The newest ``x-death`` entry: the broker keeps the list most recent first."""
+    deaths = headers.get("x-death")
+    if isinstance(deaths, list | tuple) and deaths and isinstance(deaths[0], Mapping):
+        return deaths[0]
+    return None
+
+
+def _why(headers: Mapping[str, Any]) -> tuple[str, str | None, int | None, str | None]:
+    """(reason, detail, death count, origin queue) from the broker's or saga's headers."""
+    death = _last_death(headers)
+    if death is not None:
+        count = death.get("count")
+        return (
+            _text(death.get("reason")) or "unknown",
+            None,
+            count if isinstance(count, int) else None,
+            _text(death.get("queue")) or None,
+        )
+    if REASON_HEADER in headers:
+        return (
+            _text(headers.get(REASON_HEADER)) or "unknown",
+            _text(headers.get(DETAIL_HEADER)),
+            None,
+            _text(headers.get(SOURCE_HEADER)) or None,
+        )
+    return "unknown", None, None, None
+
+
+def describe(
+    queue: str, headers: Mapping[str, Any] | None, amqp_message_id: str | None, body: bytes
+) -> DeadLetter:
+    """What a dead letter is, where it came from and why: pure and total (it never raises)."""
+    headers = headers or {}
+    fields = _envelope_fields(body)
+    reason, detail, death_count, origin = _why(headers)
+    delivery_count = headers.get("x-delivery-count")
+    message_id = (
+        _field(fields, "message_id") or amqp_message_id or f"sha256:{hashlib.sha256(body).hexdigest()[:32]}"
+    )
+    return DeadLetter(
+        queue=queue,
+        message_id=message_id,
+        amqp_message_id=amqp_message_id,
+        kind=_field(fields, "kind"),
+        run_id=_field(fields, "run_id"),
+        stage=_field(fields, "stage"),
+        reason=reason,
+        detail=detail,
+        death_count=death_count,
+        origin=origin,
+        delivery_count=delivery_count if isinstance(delivery_count, int) else 0,
+    )
+
+
+def replay_target(letter: DeadLetter) -> str:
+    """The queue a dead letter goes back to; raises :class:`NotReplayable` when nothing says which."""
+    if letter.origin is None:
+        if letter.queue == REJECTED_QUEUE:
+            why = (
+                f"its {SOURCE_HEADER} header is missing or empty, so nothing records the queue it was "
+                "refused on; publish it yourself if you know where it belongs"
+            )
+        else:
+            why = "it has no x-death header naming the queue it was dead-lettered from"
+        raise NotReplayable(letter.message_id, letter.queue, why)
+    if is_dead_letter_queue(letter.origin):
+        raise NotReplayable(
+            letter.message_id, letter.queue, f"it came from {letter.origin}, itself a dead-letter queue"
+        )
+    return letter.origin
+
+
+def replay_headers(headers: Mapping[str, Any] | None, queue: str) -> dict[str, Any]:
+    kept = {k: v for k, v in (headers or {}).items() if k not in _DEATH_HEADERS}
+    return {**kept, REPLAYED_FROM_HEADER: queue}
+
+
+def jsonable(value: Any) -> Any:
+    """A header value as JSON: AMQP tables hold timestamps, bytes and decimals too."""
+    if isinstance(value, Mapping):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [jsonable(v) for v in value]
+    if isinstance(value, datetime):
+        return value.isoformat()
+    if isinstance(value, bytes):
+        try:
+            return value.decode("utf-8")
+        except UnicodeDecodeError:
+            return "base64:" + base64.b64encode(value).decode()
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    return str(value)
+
+
+def body_document(body: bytes) -> dict[str, Any]:
+    """The body for JSON output: the decoded JSON value, or base64 when it is not JSON."""
+    try:
+        return {"body_format": "json", "body": json.loads(body)}
+    except (ValueError, UnicodeDecodeError):
+        return {"body_format": "base64", "body": base64.b64encode(body).decode()}
+
+
+def printable(text: str, *, keep_newlines: bool = True) -> str:
+    """``text`` with every control or format character escaped, so that a hostile message on
+    saga.rejected cannot drive the terminal that shows it."""
+    keep = "\n\t" if keep_newlines else ""
+    return "".join(c if c.isprintable() or c in keep else repr(c)[1:-1] for c in text)
+
+
+def render_body(body: bytes) -> str:
+    """Pretty JSON when the body is JSON, else the bytes with escapes, either way safe to print."""
+    try:
+        return printable(json.dumps(json.loads(body), indent=2, sort_keys=True, ensure_ascii=False))
+    except (ValueError, UnicodeDecodeError):
+        return f"({len(body)} bytes, not JSON; shown with escapes)\n" + printable(
+            body.decode("utf-8", errors="backslashreplace")
+        )
+
+
+# ---- the broker part -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class QueueListing:
+    queue: str
+    exists: bool
+    count: int  # ready messages when the read started
+    letters: tuple[DeadLetter, ...]  # the first ``limit`` of them
+
+
+@dataclass(frozen=True)
+class Replayed:
+    letter: DeadLetter
+    target: str | None
+    error: str | None  # None: the copy is confirmed on target and the dead letter is gone
+
+
+_PROPERTIES = (
+    "content_type",
+    "content_encoding",
+    "correlation_id",
+    "type",
+    "app_id",
+    "timestamp",
+    "reply_to",
+)
+
+
+def _properties(message: AbstractIncomingMessage) -> dict[str, Any]:
+    found = {name: getattr(message, name, None) for name in ("message_id", *_PROPERTIES)}
+    found["delivery_mode"] = int(message.delivery_mode) if message.delivery_mode else None
+    found["expiration"] = message.expiration
+    return {k: jsonable(v) for k, v in found.items() if v is not None}
+
+
+def _letter(queue: str, message: AbstractIncomingMessage) -> DeadLetter:
+    return describe(queue, message.headers, message.message_id, message.body)
+
+
+@asynccontextmanager
+async def _borrowed(connection: aio_pika.abc.AbstractConnection, queue: str) -> AsyncIterator[_Reading]:
+    """A channel on ``queue``; closing it on the way out hands every message read and not acked back to
+    the head of the queue, in order."""
+    require_dead_letter_queue(queue)
+    channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
+    try:
+        try:
+            declared = await channel.declare_queue(queue, passive=True)
+        except aiormq.exceptions.ChannelNotFoundEntity as exc:
+            raise QueueNotFound(queue) from exc
+        ready = declared.declaration_result.message_count or 0
+        yield _Reading(queue, channel, declared, ready)
+    finally:
+        if not channel.is_closed:
+            await channel.close()
+
+
+@dataclass(frozen=True)
+class _Reading:
+    queue: str
+    channel: AbstractChannel
+    amqp_queue: AbstractQueue
+    ready: int
+
+    async def messages(self, limit: int | None = None) -> AsyncIterator[AbstractIncomingMessage]:
+        """At most the messages that were ready when the read started (or ``limit``), oldest first."""
+        for _ in range(self.ready if limit is None else min(limit, self.ready)):
+            message = await self.amqp_queue.get(no_ack=False, fail=False, timeout=GET_TIMEOUT_S)
+            if message is None:
+                return
+            yield message
+
+
+async def list_queue(connection: aio_pika.abc.AbstractConnection, queue: str, limit: int) -> QueueListing:
+    async with _borrowed(connection, queue) as reading:
+        letters = [_letter(queue, m) async for m in reading.messages(limit)]
+        return QueueListing(queue, True, reading.ready, tuple(letters))
+
+
+async def list_queues(
+    connection: aio_pika.abc.AbstractConnection, queues: Iterable[str], limit: int, *, missing_ok: bool
+) -> list[QueueListing]:
+    """Each queue's count and first ``limit`` messages; with ``missing_ok`` an absent queue is listed as
+    such (a topology not applied yet) instead of raising :class:`QueueNotFound`."""
+    found = []
+    for queue in queues:
+        try:
+            found.append(await list_queue(connection, queue, limit))
+        except QueueNotFound:
+            if not missing_ok:
+                raise
+            found.append(QueueListing(queue, False, 0, ()))
+    return found
+
+
+async def show(
+    connection: aio_pika.abc.AbstractConnection, queues: list[str], message_id: str, *, missing_ok: bool
+) -> list[Detail]:
+    """Every copy of ``message_id`` on ``queues``, with headers and body; raises :class:`MessageNotFound`."""
+    found: list[Detail] = []
+    for queue in queues:
+        try:
+            async with _borrowed(connection, queue) as reading:
+                async for message in reading.messages():
+                    letter = _letter(queue, message)
+                    if letter.matches(message_id):
+                        headers = jsonable(dict(message.headers or {}))
+                        found.append(Detail(letter, _properties(message), headers, message.body))
+        except QueueNotFound:
+            if not missing_ok:
+                raise
+    if not found:
+        raise MessageNotFound(message_id, queues)
+    return found
+
+
+def _replay_copy(message: AbstractIncomingMessage, letter: DeadLetter) -> aio_pika.Message:
+    # Same body (its signature covers the body only) and the envelope's id as message id, which a
+    # saga.rejected copy had lost. No expiration (it could expire again on the way) and no user_id (the
+    # broker refuses one that is not the publishing user).
+    return aio_pika.Message(
+        message.body,
+        headers=replay_headers(message.headers, letter.queue),
+        message_id=letter.message_id,
+        content_type=message.content_type,
+        content_encoding=message.content_encoding,
+        correlation_id=message.correlation_id,
+        type=message.type,
+        app_id=message.app_id,
+        timestamp=message.timestamp,
+        reply_to=message.reply_to,
+        delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+    )
+
+
+async def _replay_one(reading: _Reading, message: AbstractIncomingMessage) -> Replayed:
+    letter = _letter(reading.queue, message)
+    try:
+        target = replay_target(letter)
+    except NotReplayable as exc:
+        return Replayed(letter, None, str(exc))
+    try:
+        # The default exchange routes by queue name: the copy goes to exactly the queue it came from, and
+        # mandatory turns a queue that no longer exists into an error rather than a silent drop.
+        confirmation = await reading.channel.default_exchange.publish(
+            _replay_copy(message, letter), routing_key=target, mandatory=True, timeout=CONFIRM_TIMEOUT_S
+        )
+    except (aiormq.exceptions.AMQPError, TimeoutError) as exc:
+        return Replayed(letter, target, f"{target} did not take it ({type(exc).__name__}: {exc})")
+    if not isinstance(confirmation, spec.Basic.Ack):
+        return Replayed(letter, target, f"{target} did not confirm it ({confirmation!r})")
+    await message.ack()  # only now: the copy on target is the broker's responsibility
+    return Replayed(letter, target, None)
+
+
+async def replay(
+    connection: aio_pika.abc.AbstractConnection,
+    queues: list[str],
+    message_id: str | None,
+    *,
+    missing_ok: bool,
+) -> list[Replayed]:
+    """Replay every copy of ``message_id`` (``None``: every message) found on ``queues``.
+
+    Raises :class:`MessageNotFound` when an id was given and is on none of them. A message that cannot be
+    replayed is reported in its :class:`Replayed` and stays where it is."""
+    done: list[Replayed] = []
+    for queue in queues:
+        try:
+            async with _borrowed(connection, queue) as reading:
+                async for message in reading.messages():
+                    if message_id is None or _letter(queue, message).matches(message_id):
+                        done.append(await _replay_one(reading, message))
+        except QueueNotFound:
+            if not missing_ok:
+                raise
+    if message_id is not None and not done:
+        raise MessageNotFound(message_id, queues)
+    return done

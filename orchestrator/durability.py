@@ -1,0 +1,223 @@
+"""Durability modes (``SAGA_MODE``): what a process checks before it starts serving.
+
+* ``development`` (default): nothing is refused; one warning at start-up names what this set-up can lose.
+* ``production``: the orchestrator refuses to start when Redis persists nothing (its state would not survive
+  a Redis restart), and the orchestrator and workers refuse to start while any signing key is the
+  development default (anyone can forge messages with it). A Redis whose ``appendfsync`` is not ``always``
+  is only warned about: it loses at most the last second of acknowledged transitions on a power cut.
+
+:func:`assess` is the pure decision over :class:`Facts`; :func:`gather` is the I/O that collects them and
+:func:`check_startup` puts the two together for the CLI.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any, cast
+from urllib.parse import urlsplit
+
+import redis
+
+from orchestrator.errors import SagaError
+from orchestrator.settings import DEVELOPMENT_SIGNING_SECRET, Settings
+
+log = logging.getLogger(__name__)
+
+PRODUCTION = "production"
+#: Short: a start-up check must not hang a process that would otherwise report Redis as unreachable itself.
+REDIS_TIMEOUT_S = 5.0
+
+
+class Role(StrEnum):
+    ORCHESTRATOR = "orchestrator"  # owns run state in Redis
+    WORKER = "worker"  # owns no state: only the signing keys matter
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What a start-up check found. ``None`` means not asked (a worker does not ask Redis) or unreadable."""
+
+    mode: str
+    role: Role
+    redis: str  # where, for messages: host:port/db, never a password
+    aof_enabled: bool | None = None
+    appendfsync: str | None = None
+    redis_error: str | None = None  # why aof_enabled could not be read
+    development_keys: tuple[str, ...] = ()  # ids of signing keys whose secret is the development default
+
+
+@dataclass(frozen=True)
+class Verdict:
+    refusals: tuple[str, ...]
+    warnings: tuple[str, ...]
+
+
+class DurabilityRefused(SagaError):
+    """Raised when production mode refuses to start; ``problems`` says each reason and what to do."""
+
+    def __init__(self, role: Role, problems: tuple[str, ...]) -> None:
+        self.role = role
+        self.problems = problems
+        lines = "\n".join(f"  - {p}" for p in problems)
+        super().__init__(f"the {role} refuses to start in production mode (SAGA_MODE=production):\n{lines}")
+
+
+# ---- the pure decision -------------------------------------------------------------------------------
+
+
+def development_key_ids(signing_keys: tuple[str, ...]) -> tuple[str, ...]:
+    """Ids of the ``id:secret`` pairs whose secret is the development default, whatever id it is under:
+    a verifying key is as good as a signing one to a forger."""
+    found = []
+    for pair in signing_keys:
+        key_id, _, secret = pair.partition(":")
+        if secret == DEVELOPMENT_SIGNING_SECRET:
+            found.append(key_id)
+    return tuple(found)
+
+
+def _fsync_loss(appendfsync: str) -> str:
+    if appendfsync == "everysec":
+        return "up to ~1 s of acknowledged transitions"
+    return "whatever the OS has not yet flushed (often tens of seconds) of acknowledged transitions"
+
+
+def _production(facts: Facts) -> Verdict:
+    refusals: list[str] = []
+    warnings: list[str] = []
+    if facts.role is Role.ORCHESTRATOR:
+        if facts.aof_enabled is None:
+            refusals.append(
+                f"cannot tell whether Redis at {facts.redis} persists its writes ({facts.redis_error}): "
+                "start Redis or fix SAGA_REDIS_URL; production mode does not start on a Redis it cannot check"
+            )
+        elif not facts.aof_enabled:
+            refusals.append(
+                f"Redis at {facts.redis} persists nothing (INFO persistence: aof_enabled:0), so a Redis "
+                "restart loses every run: run it with --appendonly yes --appendfsync always (or "
+                "'appendonly yes' in redis.conf), or set SAGA_MODE=development to accept the loss"
+            )
+        elif facts.appendfsync is not None and facts.appendfsync != "always":
+            warnings.append(
+                f"Redis at {facts.redis} has appendfsync {facts.appendfsync}: a power cut can lose "
+                f"{_fsync_loss(facts.appendfsync)}, and those runs stall until reconciled; set "
+                "appendfsync always to lose nothing acknowledged"
+            )
+    if facts.development_keys:
+        refusals.append(
+            f"signing key {', '.join(repr(k) for k in facts.development_keys)} is the development default, "
+            "so anyone who can publish to the broker can forge messages: set SAGA_SIGNING_KEYS=id:secret "
+            "with a secret of your own, the same on every orchestrator, worker and client"
+        )
+    return Verdict(tuple(refusals), tuple(warnings))
+
+
+def _development_losses(facts: Facts) -> list[str]:
+    losses: list[str] = []
+    if facts.role is Role.ORCHESTRATOR:
+        if facts.aof_enabled is None:
+            losses.append(
+                f"every run on a Redis restart, if Redis at {facts.redis} persists nothing "
+                f"(not checked: {facts.redis_error})"
+            )
+        elif not facts.aof_enabled:
+            losses.append(
+                f"every run on a Redis restart (Redis at {facts.redis} has no AOF; in-flight messages then "
+                "name unknown runs and go to saga.rejected)"
+            )
+        elif facts.appendfsync is not None and facts.appendfsync != "always":
+            losses.append(
+                f"{_fsync_loss(facts.appendfsync)} on a power cut (appendfsync {facts.appendfsync})"
+            )
+    if facts.development_keys:
+        losses.append(
+            f"message authenticity (signing key {', '.join(repr(k) for k in facts.development_keys)} is the "
+            "development default: anyone who can publish can forge messages)"
+        )
+    return losses
+
+
+def _development(facts: Facts) -> Verdict:
+    losses = _development_losses(facts)
+    if not losses:
+        warning = (
+            "development mode (SAGA_MODE=development): the durability checks pass but are not enforced; "
+            "set SAGA_MODE=production to enforce them"
+        )
+    else:
+        warning = (
+            f"development mode (SAGA_MODE=development): this {facts.role} can lose {'; '.join(losses)}. "
+            "Set SAGA_MODE=production to refuse to start like this"
+        )
+    return Verdict((), (warning,))
+
+
+def assess(facts: Facts) -> Verdict:
+    """What to refuse and what to warn about, from the facts alone (no I/O)."""
+    return _production(facts) if facts.mode == PRODUCTION else _development(facts)
+
+
+# ---- gathering the facts ------------------------------------------------------------------------------
+
+
+def redis_location(url: str) -> str:
+    """``host:port/db`` of a Redis URL, for messages: never its password."""
+    try:
+        parts = urlsplit(url)
+        return f"{parts.hostname or '?'}:{parts.port or 6379}{parts.path or '/0'}"
+    except ValueError:
+        return "<unparseable SAGA_REDIS_URL>"
+
+
+def _appendfsync(client: redis.Redis) -> str | None:
+    # Managed Redis often disables CONFIG: then the fsync policy is simply unknown, never a refusal.
+    try:
+        value = cast(dict[str, Any], client.config_get("appendfsync")).get("appendfsync")
+    except (redis.RedisError, OSError):
+        return None
+    return str(value) if value else None
+
+
+def _redis_facts(url: str) -> tuple[bool | None, str | None, str | None]:
+    """(aof_enabled, appendfsync, error). Persistence is read with INFO, not CONFIG GET, which managed
+    Redis services often disable."""
+    client = redis.Redis.from_url(
+        url, socket_connect_timeout=REDIS_TIMEOUT_S, socket_timeout=REDIS_TIMEOUT_S, decode_responses=True
+    )
+    try:
+        info = cast(dict[str, Any], client.info("persistence"))
+        aof_enabled = int(info["aof_enabled"]) == 1
+        return aof_enabled, _appendfsync(client) if aof_enabled else None, None
+    except (redis.RedisError, OSError, KeyError, ValueError) as exc:
+        return None, None, f"{type(exc).__name__}: {exc}"
+    finally:
+        client.close()
+
+
+def gather(settings: Settings, role: Role) -> Facts:
+    """Ask Redis (only for the orchestrator: workers own no state) and read the signing keys."""
+    found: tuple[bool | None, str | None, str | None] = (None, None, None)
+    if role is Role.ORCHESTRATOR:
+        found = _redis_facts(settings.redis_url)
+    aof_enabled, appendfsync, error = found
+    return Facts(
+        mode=settings.mode,
+        role=role,
+        redis=redis_location(settings.redis_url),
+        aof_enabled=aof_enabled,
+        appendfsync=appendfsync,
+        redis_error=error,
+        development_keys=development_key_ids(settings.signing_keys),
+    )
+
+
+def check_startup(settings: Settings, role: Role) -> Verdict:
+    """Gather, assess, log the warnings; raise :class:`DurabilityRefused` when production says no."""
+    verdict = assess(gather(settings, role))
+    if verdict.refusals:
+        raise DurabilityRefused(role, verdict.refusals)
+    for warning in verdict.warnings:
+        log.warning("%s", warning)
+    return verdict

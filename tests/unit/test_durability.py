@@ -1,0 +1,93 @@
+"""The durability decision (``orchestrator.durability.assess``) over facts, without Redis."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from orchestrator.durability import Facts, Role, Verdict, assess, development_key_ids, redis_location
+from orchestrator.settings import DEVELOPMENT_SIGNING_KEY, Settings
+
+DURABLE = {"aof_enabled": True, "appendfsync": "always"}
+WHERE = "10.0.0.5:6380/2"
+
+
+def facts(mode: str = "production", role: Role = Role.ORCHESTRATOR, **found: Any) -> Facts:
+    return Facts(mode=mode, role=role, redis=WHERE, **found)
+
+
+def test_production_starts_quietly_on_a_durable_redis_and_own_keys() -> None:
+    assert assess(facts(**DURABLE)) == Verdict((), ())
+    assert assess(facts(role=Role.WORKER)) == Verdict((), ())
+
+
+def test_production_refuses_a_redis_that_persists_nothing() -> None:
+    [refusal] = assess(facts(aof_enabled=False)).refusals
+    assert WHERE in refusal and "aof_enabled:0" in refusal and "--appendonly yes" in refusal
+
+
+def test_production_refuses_a_redis_it_cannot_check() -> None:
+    [refusal] = assess(facts(redis_error="ConnectionError: refused")).refusals
+    assert "ConnectionError: refused" in refusal and "SAGA_REDIS_URL" in refusal
+
+
+def test_a_worker_owns_no_state_so_redis_does_not_matter_to_it() -> None:
+    assert assess(facts(role=Role.WORKER, aof_enabled=False)) == Verdict((), ())
+
+
+@pytest.mark.parametrize("role", list(Role))
+def test_production_refuses_the_development_signing_key_for_every_role(role: Role) -> None:
+    verdict = assess(facts(role=role, development_keys=("dev", "old"), **DURABLE))
+    [refusal] = verdict.refusals
+    assert "'dev', 'old'" in refusal and "SAGA_SIGNING_KEYS" in refusal
+
+
+def test_production_collects_every_refusal_at_once() -> None:
+    assert len(assess(facts(aof_enabled=False, development_keys=("dev",))).refusals) == 2
+
+
+@pytest.mark.parametrize(("fsync", "says"), [("everysec", "~1 s"), ("no", "not yet flushed")])
+def test_production_warns_but_starts_when_fsync_is_not_always(fsync: str, says: str) -> None:
+    verdict = assess(facts(aof_enabled=True, appendfsync=fsync))
+    assert verdict.refusals == ()
+    [warning] = verdict.warnings
+    assert f"appendfsync {fsync}" in warning and says in warning and "stall until reconciled" in warning
+
+
+def test_production_says_nothing_when_fsync_cannot_be_read() -> None:
+    # CONFIG GET is often disabled on managed Redis: the AOF being on is all that can be known.
+    assert assess(facts(aof_enabled=True, appendfsync=None)) == Verdict((), ())
+
+
+def test_development_never_refuses_and_warns_once_naming_every_loss() -> None:
+    verdict = assess(facts("development", aof_enabled=False, development_keys=("dev",)))
+    assert verdict.refusals == ()
+    [warning] = verdict.warnings
+    assert "every run on a Redis restart" in warning and "saga.rejected" in warning
+    assert "forge" in warning and "SAGA_MODE=production" in warning
+
+
+def test_development_warns_even_when_nothing_can_be_lost() -> None:
+    [warning] = assess(facts("development", **DURABLE)).warnings
+    assert "not enforced" in warning
+
+
+def test_a_development_worker_only_hears_about_its_keys() -> None:
+    [warning] = assess(facts("development", Role.WORKER, development_keys=("dev",))).warnings
+    assert "forge" in warning and "Redis" not in warning
+
+
+def test_the_development_key_is_found_under_any_id_and_only_by_its_secret() -> None:
+    secret = DEVELOPMENT_SIGNING_KEY.partition(":")[2]
+    assert development_key_ids((f"new:{'x' * 32}", DEVELOPMENT_SIGNING_KEY, f"alias:{secret}")) == (
+        "dev",
+        "alias",
+    )
+    assert development_key_ids(("dev:something-else",)) == ()
+    assert development_key_ids(Settings().signing_keys) == ("dev",)
+
+
+def test_a_redis_location_never_shows_the_password() -> None:
+    assert redis_location("redis://:hunter2@cache.internal:6380/3") == "cache.internal:6380/3"
+    assert redis_location("redis://localhost") == "localhost:6379/0"
