@@ -4,10 +4,12 @@ inspect runs. Registered on the main group by ``orchestrator.cli``."""
 from __future__ import annotations
 
 import asyncio
+import getpass
 import importlib
 import json
 import logging
 import signal
+import socket
 import sys
 from datetime import UTC, datetime
 from typing import Any
@@ -20,6 +22,7 @@ import redis.asyncio as aioredis
 from orchestrator.bus import names
 from orchestrator.bus.envelope import Signer
 from orchestrator.client import Client, RunNotFound, WaitTimeout
+from orchestrator.durability import DurabilityRefused, Role, check_startup
 from orchestrator.errors import SagaError
 from orchestrator.provision import publish_plans
 from orchestrator.settings import Settings
@@ -42,6 +45,19 @@ def _unreachable(exc: BaseException) -> click.ClickException:
     return click.ClickException(
         f"cannot reach RabbitMQ or Redis: {exc}; check SAGA_AMQP_URL / SAGA_REDIS_URL"
     )
+
+
+class _Refused(click.ClickException):
+    """Production mode refuses these settings: a configuration error (exit 2)."""
+
+    exit_code = 2
+
+
+def _require_durability(settings: Settings, role: Role) -> None:
+    try:
+        check_startup(settings, role)
+    except DurabilityRefused as exc:
+        raise _Refused(str(exc)) from exc
 
 
 def _heartbeat_url(url: str, seconds: int) -> str:
@@ -88,6 +104,7 @@ def orchestrator(shard_class: str | None, shards: str, verbose: bool) -> None:
         shard_ids = names.parse_shards(shards, classes, settings.shard_count)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
+    _require_durability(settings, Role.ORCHESTRATOR)
 
     async def make() -> tuple[ShardService, Any]:
         connection = await aio_pika.connect_robust(
@@ -138,6 +155,7 @@ def worker(app: str, queues: tuple[str, ...], concurrency: int, verbose: bool) -
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     settings = _settings()
+    _require_durability(settings, Role.WORKER)
     try:
         module = importlib.import_module(app)
     except Exception as exc:
@@ -280,6 +298,34 @@ def status(run_id: str, as_json: bool) -> None:
 
 @click.command()
 @click.argument("run_id")
+@click.option("--reason", default="", help="Why: recorded in the run's history and reason.")
+@click.option("--wait", "wait_s", type=float, default=None, help="Wait up to S seconds for the run to end.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def cancel(run_id: str, reason: str, wait_s: float | None, as_json: bool) -> None:
+    """Cancel a run: it gets the failed intent with reason 'cancelled', its running stages are asked to
+    stop, and its finalisers run. Exit 0 once the request is with the broker (or, with --wait, once the
+    run has ended)."""
+    settings = _settings()
+    requested_by = f"{getpass.getuser()}@{socket.gethostname()}"
+
+    async def go() -> dict[str, Any]:
+        async with Client(settings) as client:
+            await client.cancel(run_id, reason, requested_by)
+            if wait_s is None:
+                return {"run_id": run_id, "requested": True}
+            result = await client.wait(run_id, timeout_s=wait_s)
+            return {"run_id": run_id, "requested": True, "state": result.state, "reason": result.reason}
+
+    document = _run(go())
+    if as_json:
+        _emit(document)
+    else:
+        state = f": the run is {document['state']} ({document['reason']})" if "state" in document else ""
+        click.echo(f"cancellation of {run_id} requested{state}")
+
+
+@click.command()
+@click.argument("run_id")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def history(run_id: str, as_json: bool) -> None:
     """Show a run's durable history, event by event."""
@@ -364,4 +410,4 @@ def _run(coro: Any) -> Any:
         raise _unreachable(exc) from exc
 
 
-COMMANDS = [orchestrator, worker, definitions, start, status, history, runs]
+COMMANDS = [orchestrator, worker, definitions, start, status, history, runs, cancel]
