@@ -183,6 +183,7 @@ def worker(app: str, queues: tuple[str, ...], concurrency: int, verbose: bool) -
             Signer.from_settings(settings.signing_keys),
             concurrency=concurrency,
             max_message_bytes=settings.max_message_bytes,
+            crash_points=frozenset(settings.crash_points),
         )
 
         async def cleanup() -> None:

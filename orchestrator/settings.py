@@ -71,6 +71,18 @@ class Settings(BaseSettings):
     def _comma_separated(cls, value: object) -> object:
         return _split(value)
 
+    @field_validator("crash_points")
+    @classmethod
+    def _known_crash_points(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        from orchestrator.faults import CRASH_POINTS, unknown_points
+
+        unknown = unknown_points(value)
+        if unknown:
+            raise ValueError(
+                f"unknown crash point(s) {', '.join(unknown)}; known: {', '.join(sorted(CRASH_POINTS))}"
+            )
+        return value
+
     @field_validator("contracts", "shard_classes", "signing_keys")
     @classmethod
     def _not_empty(cls, value: tuple[str, ...]) -> tuple[str, ...]:

@@ -32,6 +32,7 @@ from typing import Any
 from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractRobustConnection
 from pydantic import BaseModel, ValidationError
 
+from orchestrator import faults
 from orchestrator.bus import names
 from orchestrator.bus.envelope import Envelope, EnvelopeRejected, Kind, Signer, decode, signed_message
 from orchestrator.bus.publisher import Publisher
@@ -72,6 +73,7 @@ class WorkerRuntime:
     signer: Signer
     concurrency: int = 8
     max_message_bytes: int = 1_048_576
+    crash_points: frozenset[str] = frozenset()  # tests only: orchestrator/faults.py
     clock_ms: Callable[[], int] = field(default=lambda: int(time.time() * 1000))
     _stopping: asyncio.Event = field(default_factory=asyncio.Event)
     _inflight: set[asyncio.Task[None]] = field(default_factory=set)
@@ -161,6 +163,7 @@ class WorkerRuntime:
             if beating is not None:
                 beating.cancel()
         result = self._result(envelope, outcome)
+        faults.crash(self.crash_points, "worker-after-effect")
         try:
             await publisher.publish_bytes(
                 result, ids.result_id(envelope.message_id), names.RUNS_EXCHANGE, envelope.shard

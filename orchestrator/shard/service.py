@@ -16,8 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
-import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,6 +25,7 @@ from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractRobus
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from orchestrator import faults
 from orchestrator.bus import names
 from orchestrator.bus.envelope import Envelope, EnvelopeRejected, Signer, decode
 from orchestrator.bus.publisher import Publisher, envelope_for, outgoing_from_payload
@@ -54,14 +53,9 @@ class ShardOptions:
     crash_points: frozenset[str] = frozenset()  # tests only: see crash()
 
 
-CRASH_POINTS = frozenset({"after-consume", "after-commit", "after-publish"})
-
-
 def crash(options: ShardOptions, point: str) -> None:
     """Fault injection: die like kill -9 at a named point (SAGA_CRASH_POINTS, tests only)."""
-    if point in options.crash_points:
-        log.error("crash point %s reached: killing this process", point)
-        os.kill(os.getpid(), signal.SIGKILL)
+    faults.crash(options.crash_points, point)
 
 
 @dataclass
@@ -225,13 +219,21 @@ class ShardService:
         passing_on = any(d.outcome and (d.outcome.forward_to or d.outcome.rejected) for d in deliveries)
         if not passing_on:
             await self._ack(deliveries)
-        confirmed = await publisher.publish_all(outgoing, self.clock_ms())
+        confirmed = await self._publish(publisher, outgoing)
         if confirmed:
-            crash(self.options, "after-publish")
+            crash(self.options, "after-confirm")
         await self.store.mark_sent(shard, confirmed + done_locally)
         if passing_on:
             await self._pass_on(shard, deliveries, publisher)
             await self._ack(deliveries)
+
+    async def _publish(self, publisher: Publisher, outgoing: list[Outgoing]) -> list[str]:
+        if outgoing and "before-confirm" in self.options.crash_points:
+            publishing = asyncio.ensure_future(publisher.publish_all(outgoing, self.clock_ms()))
+            await asyncio.sleep(0.01)  # the frames are on their way; their confirms are not processed
+            crash(self.options, "before-confirm")
+            return await publishing
+        return await publisher.publish_all(outgoing, self.clock_ms())
 
     async def _pass_on(self, shard: str, deliveries: list[_Delivery], publisher: Publisher) -> None:
         for delivery in deliveries:
