@@ -17,7 +17,8 @@ What the engine decides for each event:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import dataclasses
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from orchestrator.engine import ids, liveness
@@ -26,7 +27,9 @@ from orchestrator.engine.model import (
     RUN,
     Arrival,
     BarrierReleased,
+    CancelRun,
     Clock,
+    CompensationResult,
     Decision,
     Event,
     FinaliserResult,
@@ -64,20 +67,8 @@ def advance(
     if claimed and claimed != run.digest:
         why = f"names plan {claimed}, but the run is pinned to {run.digest}"
         return rejected(Verdict.INVALID, why, getattr(event, "stage", None))
-    if isinstance(event, StageResult):
-        return _stage_result(Step(plan, digest, run, now_ms), event)
-    step = Step(plan, digest, run, now_ms)
-    if isinstance(event, BarrierReleased):
-        return _barrier_released(step, event)
-    if isinstance(event, FinaliserResult):
-        return _finaliser_result(step, event)
-    if isinstance(event, StageAccepted):
-        return liveness.accepted(step, event)
-    if isinstance(event, StageHeartbeat):
-        return liveness.heartbeat(step, event)
-    if isinstance(event, TimerFired):
-        return liveness.timer_fired(step, event)
-    return liveness.cancel_run(step, event)
+    handler: Callable[[Step, Any], Decision] = _HANDLERS[type(event)]
+    return handler(Step(plan, digest, run, now_ms), event)
 
 
 def _start(
@@ -155,7 +146,14 @@ def _stage_result(step: Step, event: StageResult) -> Decision:
     _guard_stage(step, event.stage, rec)
     if event.ok:
         step.set_stage(
-            event.stage, StageRecord(StageStatus.COMPLETED, rec.attempt, rec.fence, result=event.result)
+            event.stage,
+            StageRecord(
+                StageStatus.COMPLETED,
+                rec.attempt,
+                rec.fence,
+                result=event.result,
+                completed_at=step.done_at(stage),
+            ),
         )
         step.record("stage.completed", event.stage, rec.attempt)
         step.clear_attempt_clocks(event.stage, rec.fence)
@@ -217,12 +215,41 @@ def _barrier_released(step: Step, event: BarrierReleased) -> Decision:
         return rejected(Verdict.DUPLICATE, f"the barrier is already {rec.status.value}", event.stage)
     _guard_stage(step, event.stage, rec)
     result = run.map_results.get(event.stage) if stage["type"] == "map" else None
-    step.set_stage(event.stage, StageRecord(StageStatus.COMPLETED, rec.attempt, rec.fence, result=result))
+    done_at = step.done_at(stage)
+    step.set_stage(
+        event.stage,
+        StageRecord(StageStatus.COMPLETED, rec.attempt, rec.fence, result=result, completed_at=done_at),
+    )
     if stage["type"] == "map":
         step.clear_attempt_clocks(event.stage, rec.fence)
     kind = "join.released" if stage["type"] == "join" else "stage.completed"
     step.record(kind, event.stage, rec.attempt)
     step.enter(event.stage, stage["on_success"])
+    return step.decision()
+
+
+def _compensation_result(step: Step, event: CompensationResult) -> Decision:
+    run = step.run
+    label = f"compensate:{event.stage}"
+    if run.status is not RunStatus.FINALISING or run.intent is None or not run.compensations:
+        return rejected(Verdict.DUPLICATE, f"the run is {run.status.value}, not compensating", label)
+    current = ids.compensation_fence(run.epoch, run.compensation_index)
+    if event.index != run.compensation_index or event.fence != current:
+        verdict = Verdict.DUPLICATE if event.index < run.compensation_index else Verdict.STALE
+        return rejected(verdict, f"compensation {event.index} is not the current one", label)
+    if run.compensations[event.index] != event.stage:
+        return rejected(Verdict.INVALID, f"compensation {event.index} is not for {event.stage!r}", label)
+    step.expect(RUN, "compensation_index", str(run.compensation_index))
+    step.expect(RUN, "status", RunStatus.FINALISING.value)
+    rec = run.stages[event.stage]
+    if event.ok:
+        step.set_stage(event.stage, dataclasses.replace(rec, status=StageStatus.COMPENSATED))
+        step.record("compensation.completed", label)
+    else:
+        # never silently skipped: the stage stays completed (its effect may remain) and the run says so
+        step.write(RUN, compensation_failed="1")
+        step.record("compensation.failed", label, error=event.error)
+    step.start_compensation(run.compensations, event.index + 1)
     return step.decision()
 
 
@@ -244,3 +271,16 @@ def _finaliser_result(step: Step, event: FinaliserResult) -> Decision:
         step.record("finaliser.failed", name, error=event.error)
     step.start_finaliser(event.index + 1)
     return step.decision()
+
+
+# What each event of an existing run means (a start is handled before a run exists).
+_HANDLERS: dict[type, Callable[[Step, Any], Decision]] = {
+    StageResult: _stage_result,
+    BarrierReleased: _barrier_released,
+    FinaliserResult: _finaliser_result,
+    CompensationResult: _compensation_result,
+    StageAccepted: liveness.accepted,
+    StageHeartbeat: liveness.heartbeat,
+    TimerFired: liveness.timer_fired,
+    CancelRun: liveness.cancel_run,
+}

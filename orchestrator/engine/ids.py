@@ -25,6 +25,10 @@ def run_fence(epoch: int) -> str:
     return f"{epoch}.run"
 
 
+def compensation_fence(epoch: int, index: int) -> str:
+    return f"{epoch}.c{index}"
+
+
 def finaliser_fence(epoch: int, index: int) -> str:
     return f"{epoch}.f{index}"
 

@@ -31,6 +31,7 @@ class StageStatus(StrEnum):
     TIMED_OUT = "timed-out"
     CANCELLED = "cancelled"
     SKIPPED = "skipped"
+    COMPENSATED = "compensated"  # completed, then undone by its compensation after the run failed
 
 
 ACTIVE_STAGE_STATUSES = frozenset({StageStatus.DISPATCHED, StageStatus.RUNNING})
@@ -154,6 +155,19 @@ class FinaliserResult:
     digest: str = ""
 
 
+@dataclass(frozen=True)
+class CompensationResult:
+    """A worker's report on one compensation (``index`` in the run's compensation order)."""
+
+    message_id: str
+    stage: str  # the compensated stage
+    index: int
+    fence: str
+    ok: bool
+    error: str | None = None
+    digest: str = ""
+
+
 Event = (
     StartRun
     | StageResult
@@ -163,6 +177,7 @@ Event = (
     | StageHeartbeat
     | TimerFired
     | CancelRun
+    | CompensationResult
 )
 
 
@@ -177,6 +192,7 @@ class StageRecord:
     result: Any = None
     error: str | None = None
     items: int | None = None  # a map stage: how many items it dispatched
+    completed_at: int | None = None  # stages with a compensation: when it completed (the undo order)
 
 
 @dataclass(frozen=True)
@@ -193,6 +209,9 @@ class RunSnapshot:
     epoch: int = 1
     finaliser_index: int = 0
     finaliser_failed: bool = False
+    compensations: tuple[str, ...] = ()  # stages to undo, in the order they are undone
+    compensation_index: int = 0
+    compensation_failed: bool = False
     tenant: str = "default"
     output: Any = None
     stages: Mapping[str, StageRecord] = field(default_factory=dict)

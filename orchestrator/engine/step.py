@@ -88,6 +88,8 @@ class Step:
             fields["error"] = record.error
         if record.items is not None:
             fields["items"] = str(record.items)
+        if record.completed_at is not None:
+            fields["done_at"] = str(record.completed_at)
         self.write(Key("stage", name), **fields)
 
     def stage(self, name: str) -> StageRecord | None:
@@ -110,6 +112,10 @@ class Step:
             claim=self.claim,
             remember=self.remember,
         )
+
+    def done_at(self, stage: Mapping[str, Any]) -> int | None:
+        """When a stage that can be compensated completed (the undo order); None for the others."""
+        return self.now_ms if stage.get("compensate") else None
 
     # ---- timers ------------------------------------------------------------------------------------
 
@@ -364,7 +370,66 @@ class Step:
         self.record("intent.set", intent=intent.value, reason=reason)
         if intent is Intent.FAILED:
             self._cancel_active()
+            self.start_compensations()
+            return
         self.start_finaliser(0)
+
+    # ---- compensation ------------------------------------------------------------------------------
+
+    def start_compensations(self) -> None:
+        """Undo what the failed run completed: stages that declare ``compensate``, newest first, one at a
+        time, before the finalisers. The order is fixed now and stored, so it never changes mid-way."""
+        done = []
+        for name in set(self.run.stages) | set(self.overlay):
+            rec = self.stage(name)
+            stage = self.plan["stages"].get(name, {})
+            if rec is not None and rec.status is StageStatus.COMPLETED and stage.get("compensate"):
+                done.append((rec.completed_at or 0, name))
+        order = [name for _, name in sorted(done, reverse=True)]
+        if not order:
+            self.start_finaliser(0)
+            return
+        self.write(RUN, compensations=dumps(order))
+        self.record("compensation.started", stages=order)
+        self.start_compensation(order, 0)
+
+    def start_compensation(self, order: list[str] | tuple[str, ...], index: int) -> None:
+        if index >= len(order):
+            self.start_finaliser(0)
+            return
+        name = order[index]
+        stage = self.plan["stages"][name]
+        rec = self.stage(name)
+        ref = stage["compensate"]
+        fence = ids.compensation_fence(self.run.epoch, index)
+        label = f"compensate:{name}"
+        message_id = ids.message_id("task", self.run.run_id, label, fence)
+        try:
+            bound_input = self._bind_input(name, stage)  # the same input the stage was given
+        except BindingError:
+            bound_input = {}
+        body = {
+            "run_id": self.run.run_id,
+            "shard": self.run.shard,
+            "stage": label,
+            "attempt": 1,
+            "fence": fence,
+            "item": None,
+            "contract": ref,
+            "digest": self.digest,
+            "tenant": self.run.tenant,
+            "input": {
+                "run_id": self.run.run_id,
+                "stage": name,
+                "input": bound_input if isinstance(bound_input, dict) else {"value": bound_input},
+                "result": rec.result if rec else None,
+            },
+            "idempotency_key": message_id,
+        }
+        self.write(RUN, compensation_index=str(index))
+        queue = self.plan["contracts"][ref]["queue"]
+        self.outgoing.append(Outgoing(message_id, "task", ("task", queue), body))
+        self.record("compensation.dispatched", label, contract=ref)
 
     def _cancel_active(self) -> None:
         names = set(self.run.stages) | set(self.overlay)

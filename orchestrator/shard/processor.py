@@ -19,6 +19,7 @@ from orchestrator.engine import advance, clocks
 from orchestrator.engine.model import (
     BarrierReleased,
     CancelRun,
+    CompensationResult,
     Decision,
     Event,
     FinaliserResult,
@@ -307,6 +308,14 @@ def _event(envelope: Envelope) -> Event | None:
     ok = bool(body.get("ok"))
     error = body.get("error")
     error_text = error if isinstance(error, str) or error is None else json.dumps(error)
+    if envelope.stage.startswith("compensate:"):
+        index = envelope.fence.rpartition(".c")[2]
+        if not index.isdigit():
+            return None
+        name = envelope.stage.partition(":")[2]
+        return CompensationResult(
+            envelope.message_id, name, int(index), envelope.fence, ok, error_text, envelope.digest
+        )
     if envelope.stage.startswith("finaliser:"):
         index = envelope.stage.partition(":")[2]
         if not index.isdigit():

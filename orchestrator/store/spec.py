@@ -133,6 +133,7 @@ def snapshot_from_record(record: Mapping[str, str], map_results: Mapping[str, li
             result=json.loads(fields["result"]) if "result" in fields else None,
             error=fields.get("error"),
             items=int(fields["items"]) if "items" in fields else None,
+            completed_at=int(fields["done_at"]) if "done_at" in fields else None,
         )
         for name, fields in stage_fields.items()
         if "status" in fields
@@ -148,6 +149,9 @@ def snapshot_from_record(record: Mapping[str, str], map_results: Mapping[str, li
         epoch=int(record.get("epoch", "1")),
         finaliser_index=int(record.get("finaliser_index", "0")),
         finaliser_failed=record.get("finaliser_failed") == "1",
+        compensations=tuple(json.loads(record["compensations"])) if "compensations" in record else (),
+        compensation_index=int(record.get("compensation_index", "0")),
+        compensation_failed=record.get("compensation_failed") == "1",
         tenant=record.get("tenant", "default"),
         output=json.loads(record["output"]) if "output" in record else None,
         stages=stages,

@@ -309,7 +309,7 @@ def test_contracts_list_shows_every_demo_contract() -> None:
     assert result.returncode == 0, result.stderr
     rows = [line.split() for line in lines(result.stdout)]
     assert rows == [[c.ref, c.kind.value, c.queue] for c in DEMO_REGISTRY.contracts()]
-    assert len(rows) == 10
+    assert len(rows) == 11
 
 
 def test_exported_registry_validates_definitions_the_same_way(tmp_path: Path) -> None:

@@ -20,6 +20,7 @@ import pytest
 
 from orchestrator.client import SyncClient
 from orchestrator.compiler import compile_text
+from orchestrator.engine import ids
 from orchestrator.provision import publish_plans
 from tests.integration.stack import REGISTRY, ROOT, Stack, poll, running
 
@@ -274,3 +275,21 @@ async def _cancel_again(stack: Stack, run_id: str) -> None:
 
     async with Client(stack.settings) as client:
         await client.cancel(run_id, "again")
+
+
+def test_a_failed_model_ingest_discards_its_rendered_thumbnail_once_before_its_finaliser(
+    stack: Stack, client: SyncClient
+) -> None:
+    stack.world.set_fault("undo-1", "metadata.extract", fail=True)
+    run_id = client.start("model-ingest", {"modelId": "undo-1"})
+    result = client.wait(run_id, timeout_s=30)
+    assert result.state == "failed"
+    kinds = [e["kind"] for e in history(stack, run_id)]
+    assert [e["stage"] for e in events(stack, run_id, "compensation.dispatched")] == [
+        "compensate:render-thumbnail"
+    ]
+    assert kinds.index("compensation.completed") < kinds.index("finaliser.dispatched")
+    assert stack.record(run_id)["s:render-thumbnail:status"] == "compensated"
+    # the undo's effect is recorded under this run's compensation task (once: keyed by idempotency key)
+    key = ids.message_id("task", run_id, "compensate:render-thumbnail", "1.c0")
+    assert stack.world.effects().get(key) == "thumbnail.discard"

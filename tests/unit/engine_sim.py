@@ -33,6 +33,7 @@ import workers.demo
 from orchestrator.engine import advance, clocks, ids
 from orchestrator.engine.model import (
     BarrierReleased,
+    CompensationResult,
     Decision,
     Event,
     FinaliserResult,
@@ -293,7 +294,7 @@ class Sim:
 
     # ---- the worker side ----------------------------------------------------------------------------
 
-    def work(self, task: Outgoing) -> StageResult | FinaliserResult:
+    def work(self, task: Outgoing) -> StageResult | FinaliserResult | CompensationResult:
         """Run a task's handler and build the worker's report (its id derives from the task's id)."""
         body = task.body
         stage, item = str(body["stage"]), body["item"]
@@ -308,6 +309,12 @@ class Sim:
             value, ok, error = None, False, f"{type(exc).__name__}: {exc}"
         self.calls.append((stage, item, ok, value if ok else error))
         message_id = ids.result_id(task.message_id)
+        if stage.startswith("compensate:"):
+            index = int(str(body["fence"]).rpartition(".c")[2])
+            name = stage.partition(":")[2]
+            return CompensationResult(
+                message_id, name, index, str(body["fence"]), ok, error, str(body["digest"])
+            )
         if stage.startswith("finaliser:"):
             index = int(stage.partition(":")[2])
             return FinaliserResult(

@@ -187,7 +187,7 @@ def test_contract_errors_are_saga_errors() -> None:
 def test_handlers_of_lists_decorated_functions_sorted_by_ref() -> None:
     refs = [h.contract.ref for h in handlers_of(workers.demo)]
     assert refs == DEMO_REGISTRY.refs()
-    assert len(refs) == 10
+    assert len(refs) == 11
 
 
 # ---- the registry -----------------------------------------------------------------------------------
@@ -410,6 +410,7 @@ def test_model_ingest_plan_holds_exactly_the_contracts_it_uses() -> None:
         "catalogue.publish@2",
         "metadata.extract@2",
         "semantic.analyse@4",
+        "thumbnail.discard@1",
         "thumbnail.render@3",
     ]
     for ref, data in plan["contracts"].items():

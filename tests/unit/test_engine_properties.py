@@ -163,6 +163,30 @@ def check_retries(sim: Sim) -> None:
     assert after <= {"callback.rejected", "cancellation.acknowledged"}, after
 
 
+def check_compensations(sim: Sim) -> None:
+    """A failed run undoes every completed stage that declares a compensation, newest first, each once,
+    before its finalisers; a completed run undoes nothing."""
+    history = sim.history
+    dispatched = [h["stage"].partition(":")[2] for h in history if h["kind"] == "compensation.dispatched"]
+    if sim.record["intent"] == "completed":
+        assert not dispatched
+        return
+    completed = [
+        h["stage"]
+        for h in history
+        if h["kind"] in ("stage.completed",) and sim.plan["stages"][h["stage"]].get("compensate")
+    ]
+    assert dispatched == list(reversed(completed)), (dispatched, completed)
+    outcomes = [h for h in history if h["kind"] in ("compensation.completed", "compensation.failed")]
+    assert [h["stage"].partition(":")[2] for h in outcomes] == dispatched
+    ends = [i for i, h in enumerate(history) if h["kind"] in ("finaliser.dispatched", "run.failed")]
+    assert all(history.index(h) < ends[0] for h in outcomes)  # before the finalisers (or the end)
+    for name in dispatched:
+        label = f"compensate:{name}"
+        undone = any(h["kind"] == "compensation.completed" and h["stage"] == label for h in outcomes)
+        assert (sim.record[f"s:{name}:status"] == "compensated") == undone
+
+
 def check_invariants(sim: Sim) -> None:
     plan, history = sim.plan, sim.history
     kinds = [h["kind"] for h in history]
@@ -210,6 +234,7 @@ def check_invariants(sim: Sim) -> None:
     assert all(n == 1 for n in reports.values()), reports
 
     check_retries(sim)
+    check_compensations(sim)
 
     # a map's result: its items' results, in item order
     for name, stage in plan["stages"].items():

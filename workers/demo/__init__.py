@@ -81,8 +81,20 @@ async def catalogue_publish(payload: ModelRef, context: TaskContext | None = Non
 
 
 @action("catalogue.unpublish", version=1, input=CompensationInput, output=CompensationOutput)
-def catalogue_unpublish(payload: CompensationInput) -> CompensationOutput:
+async def catalogue_unpublish(
+    payload: CompensationInput, context: TaskContext | None = None
+) -> CompensationOutput:
     """Compensation for catalogue.publish: withdraw the entry again."""
+    await _act("catalogue.unpublish", str(payload.input.get("modelId", payload.run_id)), context)
+    return CompensationOutput(undone=True)
+
+
+@action("thumbnail.discard", version=1, input=CompensationInput, output=CompensationOutput)
+async def thumbnail_discard(
+    payload: CompensationInput, context: TaskContext | None = None
+) -> CompensationOutput:
+    """Compensation for thumbnail.render: delete the thumbnail of a model whose ingest failed."""
+    await _act("thumbnail.discard", str(payload.input.get("modelId", payload.run_id)), context)
     return CompensationOutput(undone=True)
 
 
