@@ -117,6 +117,7 @@ def orchestrator(shard_class: str | None, shards: str, verbose: bool) -> None:
             batch_max=settings.shard_prefetch,
             max_message_bytes=settings.max_message_bytes,
             crash_points=frozenset(settings.crash_points),
+            poison_after=settings.delivery_limit - 1,
         )
         service = ShardService(
             connection, store, Signer.from_settings(settings.signing_keys), shard_ids, options

@@ -50,7 +50,17 @@ class ShardOptions:
     relay_min_age_ms: int = 2_000  # younger entries are most likely being published right now
     redis_retry_s: float = 0.5
     timer_poll_s: float = 0.1  # how often the shard looks for due timers (retries, deadlines)
+    # A message whose transition failed on this many earlier deliveries is poison: its run is marked
+    # failed and the message dead-lettered now (one below the queue's x-delivery-limit, so we decide,
+    # with the reason, before the broker drops it into the dead-letter queue on its own).
+    poison_after: int = 19
     crash_points: frozenset[str] = frozenset()  # tests only: see crash()
+
+
+def _redeliveries(message: AbstractIncomingMessage) -> int:
+    """How often the broker delivered this message before (quorum queues count it in a header)."""
+    count = (message.headers or {}).get("x-delivery-count", 0)
+    return int(count) if isinstance(count, int | str) and str(count).isdigit() else 0
 
 
 def crash(options: ShardOptions, point: str) -> None:
@@ -218,14 +228,14 @@ class ShardService:
         # Forwards and refusals are not in the outbox, so those batches ack after they are confirmed.
         passing_on = any(d.outcome and (d.outcome.forward_to or d.outcome.rejected) for d in deliveries)
         if not passing_on:
-            await self._ack(deliveries)
+            await self._ack(shard, deliveries)
         confirmed = await self._publish(publisher, outgoing)
         if confirmed:
             crash(self.options, "after-confirm")
         await self.store.mark_sent(shard, confirmed + done_locally)
         if passing_on:
             await self._pass_on(shard, deliveries, publisher)
-            await self._ack(deliveries)
+            await self._ack(shard, deliveries)
 
     async def _publish(self, publisher: Publisher, outgoing: list[Outgoing]) -> list[str]:
         if outgoing and "before-confirm" in self.options.crash_points:
@@ -250,15 +260,40 @@ class ShardService:
                     delivery.message.message_id,
                 )
 
-    async def _ack(self, deliveries: list[_Delivery]) -> None:
+    async def _ack(self, shard: str, deliveries: list[_Delivery]) -> None:
         if all(d.error is None for d in deliveries):
             await deliveries[-1].message.ack(multiple=True)
             return
         for delivery in deliveries:
             if delivery.error is None:
                 await delivery.message.ack()
+            elif _redeliveries(delivery.message) >= self.options.poison_after:
+                await self._poisoned(shard, delivery)
             else:
                 await delivery.message.nack(requeue=True)
+
+    async def _poisoned(self, shard: str, delivery: _Delivery) -> None:
+        """The transition failed on every delivery: a bug or corrupt state, not bad input. Mark the run
+        failed with the reason (it would wait forever otherwise) and dead-letter the message for a human;
+        other runs of the shard go on."""
+        envelope, message = delivery.envelope, delivery.message
+        if envelope is not None:
+            error = f"{type(delivery.error).__name__}: {delivery.error}"[:500]
+            try:
+                await self.store.poison(
+                    envelope.shard, envelope.run_id, envelope.message_id, error, self.clock_ms()
+                )
+            except Exception:
+                log.exception(
+                    "could not mark run %s failed for poison message %s", envelope.run_id, envelope.message_id
+                )
+        log.error(
+            "message %s (run %s) failed on %d deliveries: dead-lettered",
+            message.message_id,
+            envelope.run_id if envelope else "?",
+            _redeliveries(message) + 1,
+        )
+        await message.nack(requeue=False)
 
     async def _fire_timers(self, shard: str, publisher: Publisher) -> None:
         """Fire the shard's due timers. Every process serving the shard does this (a standby too): each

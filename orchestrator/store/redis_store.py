@@ -23,7 +23,7 @@ from orchestrator.errors import SagaError
 from orchestrator.store.keys import ShardKeys, active_key, index_key, plan_key
 from orchestrator.store.spec import Spec, barrier_stages, build_spec, ordered_items, snapshot_from_record
 
-LUA_FILES = ("helpers.lua", "create.lua", "transition.lua", "arrive.lua", "mark_sent.lua")
+LUA_FILES = ("helpers.lua", "create.lua", "transition.lua", "arrive.lua", "mark_sent.lua", "poison.lua")
 APPLIED, DUPLICATE, CONFLICT, EXISTS, NO_RUN, TIMER_GONE = 0, 1, 2, 3, 4, 5
 
 
@@ -195,6 +195,14 @@ class RedisStore:
             event.update(json.loads(f["detail"]))
             events.append(event)
         return events
+
+    async def poison(self, shard: str, run_id: str, message_id: str, error: str, now_ms: int) -> int:
+        """Mark the run a poison message names failed (lua/poison.lua); returns the Lua code."""
+        reason = f"poison message {message_id}: its transition failed on every delivery ({error})"
+        spec = Spec("saga_poison", {"at": now_ms, "mid": message_id, "reason": reason, "error": error})
+        keys = self.keys(shard).transition_keys(run_id, [])
+        code, _ = await self._fcall(spec, keys)
+        return int(code)
 
     # ---- timers ------------------------------------------------------------------------------------
 
