@@ -11,6 +11,7 @@ import logging
 import signal
 import socket
 import sys
+import time
 from datetime import UTC, datetime
 from typing import Any
 
@@ -21,11 +22,14 @@ import redis.asyncio as aioredis
 
 from orchestrator.bus import names
 from orchestrator.bus.envelope import Signer
+from orchestrator.bus.publisher import Publisher
 from orchestrator.client import Client, RunNotFound, WaitTimeout
 from orchestrator.durability import DurabilityRefused, Role, check_startup
 from orchestrator.errors import SagaError
 from orchestrator.provision import publish_plans
+from orchestrator.reconcile import Reconciler, Report
 from orchestrator.settings import Settings
+from orchestrator.shard.processor import Processor
 from orchestrator.shard.service import ShardOptions, ShardService
 from orchestrator.store.keys import ShardKeys
 from orchestrator.store.redis_store import RedisStore
@@ -327,6 +331,56 @@ def cancel(run_id: str, reason: str, wait_s: float | None, as_json: bool) -> Non
 
 
 @click.command()
+@click.option("--dry-run", is_flag=True, help="Report what is stranded; repair nothing.")
+@click.option("--min-age-s", type=float, default=60.0, show_default=True, help="Ignore younger entries.")
+@click.option(
+    "--stranded-after-s", type=float, default=600.0, show_default=True, help="Quiet this long: stranded."
+)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def reconcile(dry_run: bool, min_age_s: float, stranded_after_s: float, as_json: bool) -> None:
+    """Find and repair stranded work on every shard: unsent outbox entries, runs waiting on a message
+    that is gone (re-sent with their own ids), and run-id claims without a run."""
+    settings = _settings()
+    shards = names.parse_shards("", settings.shard_classes, settings.shard_count)
+
+    async def go() -> Report:
+        connection = await aio_pika.connect_robust(settings.amqp_url)
+        client = aioredis.Redis.from_url(settings.redis_url, decode_responses=True)
+        try:
+            channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
+            store = RedisStore(client, settings.key_prefix, settings.retention_ms)
+            signer = Signer.from_settings(settings.signing_keys)
+            reconciler = Reconciler(
+                store,
+                Processor(store, lambda: int(time.time() * 1000)),
+                Publisher(channel, signer),
+                min_age_ms=int(min_age_s * 1000),
+                stranded_after_ms=int(stranded_after_s * 1000),
+            )
+            now = int(time.time() * 1000)
+            report = await reconciler.claims(now, dry_run=dry_run)
+            for shard in shards:
+                report.merge(await reconciler.shard(shard, now, dry_run=dry_run))
+            return report
+        finally:
+            await connection.close()
+            await client.aclose()
+
+    report = _run(go())
+    if as_json:
+        _emit({"dry_run": dry_run, **report.as_dict()})
+        return
+    verb = "found" if dry_run else "repaired"
+    click.echo(
+        f"{verb}: {len(report.unsent)} unsent outbox entries ({len(report.republished)} re-published), "
+        f"{len(report.stranded)} stranded runs ({len(report.nudged)} nudged), "
+        f"{len(report.orphan_claims)} claims without a run ({len(report.dropped_claims)} dropped)"
+    )
+    for run_id in report.stranded:
+        click.echo(f"  stranded run {run_id}")
+
+
+@click.command()
 @click.argument("run_id")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def history(run_id: str, as_json: bool) -> None:
@@ -412,4 +466,4 @@ def _run(coro: Any) -> Any:
         raise _unreachable(exc) from exc
 
 
-COMMANDS = [orchestrator, worker, definitions, start, status, history, runs, cancel]
+COMMANDS = [orchestrator, worker, definitions, start, status, history, runs, cancel, reconcile]

@@ -35,6 +35,7 @@ from orchestrator.engine.model import (
     FinaliserResult,
     Intent,
     Key,
+    Nudge,
     Outgoing,
     RunSnapshot,
     RunStatus,
@@ -283,4 +284,5 @@ _HANDLERS: dict[type, Callable[[Step, Any], Decision]] = {
     StageHeartbeat: liveness.heartbeat,
     TimerFired: liveness.timer_fired,
     CancelRun: liveness.cancel_run,
+    Nudge: liveness.nudge,
 }

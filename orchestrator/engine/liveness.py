@@ -21,6 +21,7 @@ from orchestrator.engine.model import (
     Decision,
     Intent,
     Key,
+    Nudge,
     RunStatus,
     StageAccepted,
     StageHeartbeat,
@@ -162,6 +163,31 @@ def cancel_run(step: Step, event: CancelRun) -> Decision:
     reason = "cancelled" + (f": {event.reason}" if event.reason else "")
     step.record("cancel.requested", by=event.requested_by, why=event.reason)
     step.set_intent(Intent.FAILED, reason)
+    return step.decision()
+
+
+def nudge(step: Step, event: Nudge) -> Decision:
+    """Re-send the tasks a stranded run waits for, with their own ids (a slow one becomes a duplicate)."""
+    run = step.run
+    if run.status in (RunStatus.COMPLETED, RunStatus.FAILED):
+        return rejected(Verdict.LATE, f"the run is {run.status.value}", None)
+    step.expect(RUN, "status", run.status.value)
+    if run.status is RunStatus.FINALISING and run.phase == "compensating":
+        index = run.compensation_index
+        step.expect(RUN, "compensation_index", str(index))
+        step.outgoing.append(step.compensation_task(run.compensations[index], index))
+    elif run.status is RunStatus.FINALISING:
+        step.expect(RUN, "finaliser_index", str(run.finaliser_index))
+        step.outgoing.append(step.finaliser_task(run.finaliser_index))
+    else:
+        for name, rec in sorted(run.stages.items()):
+            stage = step.plan["stages"].get(name, {})
+            if rec.status in ACTIVE_STAGE_STATUSES and stage.get("type") in ("action", "worker"):
+                step.expect(Key("stage", name), "fence", rec.fence)
+                step.outgoing.append(step.resend_task(name, stage, rec))
+    if not step.outgoing:
+        return rejected(Verdict.INVALID, "nothing to re-send: no attempt is waiting on a worker", None)
+    step.record("run.nudged", resent=[m.message_id for m in step.outgoing])
     return step.decision()
 
 

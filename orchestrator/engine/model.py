@@ -168,6 +168,14 @@ class CompensationResult:
     digest: str = ""
 
 
+@dataclass(frozen=True)
+class Nudge:
+    """The reconciler found the run stranded (no unsent message, no timer, quiet for long): re-send what
+    it is waiting for. Re-sent tasks keep their ids, so a task that was only slow is a duplicate."""
+
+    message_id: str
+
+
 Event = (
     StartRun
     | StageResult
@@ -178,6 +186,7 @@ Event = (
     | TimerFired
     | CancelRun
     | CompensationResult
+    | Nudge
 )
 
 
@@ -212,6 +221,7 @@ class RunSnapshot:
     compensations: tuple[str, ...] = ()  # stages to undo, in the order they are undone
     compensation_index: int = 0
     compensation_failed: bool = False
+    phase: str = ""  # while finalising: "compensating", then "finalising"
     tenant: str = "default"
     output: Any = None
     stages: Mapping[str, StageRecord] = field(default_factory=dict)

@@ -319,6 +319,14 @@ class Step:
             body["report"] = {"accept": True, "heartbeat_ms": stage.get("heartbeat_timeout_ms")}
         self.outgoing.append(Outgoing(message_id, "task", ("task", stage["queue"]), body))
 
+    def resend_task(self, name: str, stage: Mapping[str, Any], rec: StageRecord) -> Outgoing:
+        """The current attempt's task again: same id, fence and input (the reconciler's nudge)."""
+        before = len(self.outgoing)
+        self._send_task(name, stage, rec.attempt, rec.fence, self._bind_input(name, stage))
+        task = self.outgoing.pop()
+        assert len(self.outgoing) == before
+        return task
+
     def fail_attempt(
         self,
         name: str,
@@ -397,7 +405,13 @@ class Step:
         if index >= len(order):
             self.start_finaliser(0)
             return
-        name = order[index]
+        self.write(RUN, compensation_index=str(index), phase="compensating")
+        task = self.compensation_task(order[index], index)
+        self.outgoing.append(task)
+        self.record("compensation.dispatched", task.body["stage"], contract=task.body["contract"])
+
+    def compensation_task(self, name: str, index: int) -> Outgoing:
+        """The task undoing stage ``name`` (the same message whenever it is built)."""
         stage = self.plan["stages"][name]
         rec = self.stage(name)
         ref = stage["compensate"]
@@ -426,10 +440,8 @@ class Step:
             },
             "idempotency_key": message_id,
         }
-        self.write(RUN, compensation_index=str(index))
         queue = self.plan["contracts"][ref]["queue"]
-        self.outgoing.append(Outgoing(message_id, "task", ("task", queue), body))
-        self.record("compensation.dispatched", label, contract=ref)
+        return Outgoing(message_id, "task", ("task", queue), body)
 
     def _cancel_active(self) -> None:
         names = set(self.run.stages) | set(self.overlay)
@@ -465,7 +477,13 @@ class Step:
         if index >= len(finalisers):
             self.finish()
             return
-        ref = finalisers[index]
+        self.write(RUN, finaliser_index=str(index), phase="finalising")
+        self.outgoing.append(self.finaliser_task(index))
+        self.record("finaliser.dispatched", f"finaliser:{index}", contract=finalisers[index])
+
+    def finaliser_task(self, index: int) -> Outgoing:
+        """Finaliser ``index``'s task (the same message whenever it is built: a re-send is a duplicate)."""
+        ref = self.plan["finalisers"][index]
         fence = ids.finaliser_fence(self.run.epoch, index)
         message_id = ids.message_id("task", self.run.run_id, f"finaliser:{index}", fence)
         body = {
@@ -488,10 +506,8 @@ class Step:
             },
             "idempotency_key": message_id,
         }
-        self.write(RUN, finaliser_index=str(index))
         queue = self.plan["contracts"][ref]["queue"]
-        self.outgoing.append(Outgoing(message_id, "task", ("task", queue), body))
-        self.record("finaliser.dispatched", f"finaliser:{index}", contract=ref)
+        return Outgoing(message_id, "task", ("task", queue), body)
 
     def finish(self) -> None:
         intent = self.intent or self.run.intent

@@ -23,6 +23,7 @@ from orchestrator.engine.model import (
     Decision,
     Event,
     FinaliserResult,
+    Nudge,
     Outgoing,
     RunSnapshot,
     StageAccepted,
@@ -217,6 +218,14 @@ class Processor:
             return Outcome()
         plan = await self.store.plan(snapshot.digest)
         return await self._continue_with(shard, run_id, event, plan, snapshot)
+
+    async def nudge(self, shard: str, run_id: str, message_id: str) -> Outcome:
+        """Re-send what a stranded run waits for (the reconciler's repair)."""
+        snapshot = await self.store.snapshot(shard, run_id)
+        if snapshot is None:
+            return Outcome(rejected=("unknown-run", f"run {run_id} does not exist on {shard}"))
+        plan = await self.store.plan(snapshot.digest)
+        return await self._continue_with(shard, run_id, Nudge(message_id), plan, snapshot)
 
     async def _continue_with(
         self, shard: str, run_id: str, event: Event, plan: dict[str, Any], snapshot: RunSnapshot

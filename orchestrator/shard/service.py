@@ -30,6 +30,7 @@ from orchestrator.bus import names
 from orchestrator.bus.envelope import Envelope, EnvelopeRejected, Signer, decode
 from orchestrator.bus.publisher import Publisher, envelope_for, outgoing_from_payload
 from orchestrator.engine.model import Outgoing
+from orchestrator.reconcile import Reconciler
 from orchestrator.shard.processor import Outcome, Processor
 from orchestrator.store.redis_store import RedisStore
 
@@ -54,6 +55,8 @@ class ShardOptions:
     # failed and the message dead-lettered now (one below the queue's x-delivery-limit, so we decide,
     # with the reason, before the broker drops it into the dead-letter queue on its own).
     poison_after: int = 19
+    reconcile_interval_s: float = 60.0  # look for stranded runs of the served shards this often
+    stranded_after_ms: int = 600_000  # a running run quiet this long, with nothing on its way, is stranded
     crash_points: frozenset[str] = frozenset()  # tests only: see crash()
 
 
@@ -141,11 +144,15 @@ class ShardService:
         await self._relay(shard, publisher)
         next_relay = time.monotonic() + self.options.relay_interval_s
         next_timers = time.monotonic()
+        next_reconcile = time.monotonic() + self.options.reconcile_interval_s
         try:
             while not self._stopping.is_set():
                 if time.monotonic() >= next_timers:
                     await self._fire_timers(shard, publisher)
                     next_timers = time.monotonic() + self.options.timer_poll_s
+                if time.monotonic() >= next_reconcile:
+                    await self._reconcile(shard, publisher)
+                    next_reconcile = time.monotonic() + self.options.reconcile_interval_s
                 timeout = max(0.0, min(next_relay, next_timers) - time.monotonic())
                 try:
                     first = await asyncio.wait_for(inbox.get(), timeout=timeout)
@@ -312,6 +319,18 @@ class ShardService:
         outgoing, done_locally = await self._continue_locally(shard, outgoing)
         confirmed = await publisher.publish_all(outgoing, self.clock_ms())
         await self.store.mark_sent(shard, confirmed + done_locally)
+
+    async def _reconcile(self, shard: str, publisher: Publisher) -> None:
+        reconciler = Reconciler(
+            self.store,
+            self.processor,
+            publisher,
+            min_age_ms=self.options.relay_min_age_ms,
+            stranded_after_ms=self.options.stranded_after_ms,
+        )
+        report = await reconciler.shard(shard, self.clock_ms(), dry_run=False)
+        if report.stranded:
+            log.warning("shard %s: stranded runs %s; nudged %s", shard, report.stranded, report.nudged)
 
     async def _relay(self, shard: str, publisher: Publisher) -> None:
         """Re-publish outbox entries committed but never confirmed (a crash between commit and publish)."""

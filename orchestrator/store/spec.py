@@ -152,6 +152,7 @@ def snapshot_from_record(record: Mapping[str, str], map_results: Mapping[str, li
         compensations=tuple(json.loads(record["compensations"])) if "compensations" in record else (),
         compensation_index=int(record.get("compensation_index", "0")),
         compensation_failed=record.get("compensation_failed") == "1",
+        phase=record.get("phase", ""),
         tenant=record.get("tenant", "default"),
         output=json.loads(record["output"]) if "output" in record else None,
         stages=stages,

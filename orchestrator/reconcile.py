@@ -1,0 +1,141 @@
+"""The reconciler: find stranded work and repair it, reporting what it did.
+
+Three kinds of stranded work, each of which the normal paths cannot see:
+
+* **unsent outbox entries** older than ``min_age_ms`` on any shard: committed messages that were never
+  confirmed (the orchestrator serving that shard relays its own every few seconds; this covers shards
+  nobody serves right now). Repair: publish with confirms, then mark sent.
+* **stranded runs**: running or finalising, with no unsent message and no timer, and nothing in their
+  history for ``stranded_after_ms``: the message they wait for was lost outside saga (a purged queue, a
+  broker restored from an old backup). Repair: a nudge, which re-sends the waiting tasks with their own
+  ids, so a task that was only slow becomes a duplicate.
+* **index claims without a run**, idle for ``min_age_ms``: a start that claimed its run id and was never
+  created, or a run whose record expired after its retention. Repair: delete the claim.
+
+``dry_run`` reports without repairing. ``saga reconcile`` runs it over every shard; the orchestrator runs
+the first two for the shards it serves, periodically.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from orchestrator.bus.publisher import Publisher, outgoing_from_payload
+from orchestrator.shard.processor import Processor
+from orchestrator.store.keys import index_key
+from orchestrator.store.redis_store import RedisStore
+
+ACTIVE_RUN_STATES = ("running", "finalising")
+SCAN_BATCH = 500
+
+
+@dataclass
+class Report:
+    unsent: list[str] = field(default_factory=list)  # outbox ids found (and re-published unless dry run)
+    republished: list[str] = field(default_factory=list)
+    stranded: list[str] = field(default_factory=list)  # run ids found (and nudged unless dry run)
+    nudged: list[str] = field(default_factory=list)
+    orphan_claims: list[str] = field(default_factory=list)  # run ids whose claim has no run
+    dropped_claims: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {name: list(value) for name, value in self.__dict__.items()}
+
+    def merge(self, other: Report) -> None:
+        for name, value in other.__dict__.items():
+            getattr(self, name).extend(value)
+
+
+@dataclass
+class Reconciler:
+    store: RedisStore
+    processor: Processor
+    publisher: Publisher | None  # None: report only
+    min_age_ms: int = 60_000
+    stranded_after_ms: int = 600_000
+
+    async def shard(self, shard: str, now_ms: int, *, dry_run: bool) -> Report:
+        report = Report()
+        await self._outbox(shard, now_ms, dry_run, report)
+        await self._stranded(shard, now_ms, dry_run, report)
+        return report
+
+    async def _outbox(self, shard: str, now_ms: int, dry_run: bool, report: Report) -> None:
+        entries = await self.store.outbox(shard)
+        old = [p for p in entries.values() if int(p.get("at", 0)) <= now_ms - self.min_age_ms]
+        report.unsent += [str(p["id"]) for p in old]
+        if dry_run or not old or self.publisher is None:
+            return
+        confirmed = await self.publisher.publish_all([outgoing_from_payload(p) for p in old], now_ms)
+        await self.store.mark_sent(shard, confirmed)
+        report.republished += confirmed
+
+    async def _stranded(self, shard: str, now_ms: int, dry_run: bool, report: Report) -> None:
+        waiting = await self._waiting_runs(shard)
+        for run_id in await self._quiet_active_runs(shard, now_ms):
+            if run_id in waiting:
+                continue
+            report.stranded.append(run_id)
+            if dry_run or self.publisher is None:
+                continue
+            outcome = await self.processor.nudge(shard, run_id, f"nudge-{uuid.uuid4().hex}")
+            if outcome.publish:
+                confirmed = await self.publisher.publish_all(outcome.publish, now_ms)
+                await self.store.mark_sent(shard, confirmed)
+                report.nudged.append(run_id)
+
+    async def _waiting_runs(self, shard: str) -> set[str]:
+        """Runs with an unsent outbox entry or a timer: something is already on its way to them."""
+        keys = self.store.keys(shard)
+        waiting = {str(p.get("run_id", "")) for p in (await self.store.outbox(shard)).values()}
+        members = await self.store.client.zrange(keys.timers(), 0, -1)
+        waiting |= {(m.decode() if isinstance(m, bytes) else str(m)).rsplit("|", 3)[0] for m in members}
+        return waiting
+
+    async def _quiet_active_runs(self, shard: str, now_ms: int) -> list[str]:
+        """Running or finalising runs whose history has been quiet for ``stranded_after_ms``."""
+        keys = self.store.keys(shard)
+        run_ids = await self.store.run_ids(shard)
+        quiet = []
+        for start in range(0, len(run_ids), SCAN_BATCH):
+            chunk = run_ids[start : start + SCAN_BATCH]
+            async with self.store.client.pipeline(transaction=False) as pipe:
+                for run_id in chunk:
+                    pipe.hget(keys.run(run_id), "status")
+                    pipe.xrevrange(keys.history(run_id), count=1)
+                replies = await pipe.execute()
+            for i, run_id in enumerate(chunk):
+                status, last = replies[2 * i], replies[2 * i + 1]
+                status = status.decode() if isinstance(status, bytes) else status
+                if status not in ACTIVE_RUN_STATES or not last:
+                    continue
+                entry_id = last[0][0]
+                at_ms = int((entry_id.decode() if isinstance(entry_id, bytes) else entry_id).split("-")[0])
+                if at_ms <= now_ms - self.stranded_after_ms:
+                    quiet.append(run_id)
+        return quiet
+
+    async def claims(self, now_ms: int, *, dry_run: bool) -> Report:
+        """Index claims (``<prefix>:index:{run}``) idle for ``min_age_ms`` whose run does not exist."""
+        report = Report()
+        client = self.store.client
+        pattern = index_key(self.store.prefix, "*")
+        async for raw in client.scan_iter(match=pattern, count=SCAN_BATCH):
+            key = raw.decode() if isinstance(raw, bytes) else str(raw)
+            idle_s = await client.object("idletime", key)  # read before GET, which resets it
+            if idle_s is None or int(idle_s) * 1000 < self.min_age_ms:
+                continue
+            shard = await client.get(key)
+            if shard is None:
+                continue
+            run_id = key.split("{", 1)[1].rstrip("}")
+            shard_id = shard.decode() if isinstance(shard, bytes) else str(shard)
+            if await client.exists(self.store.keys(shard_id).run(run_id)):
+                continue
+            report.orphan_claims.append(run_id)
+            if not dry_run:
+                await client.delete(key)
+                report.dropped_claims.append(run_id)
+        return report

@@ -1,0 +1,96 @@
+"""The reconciler on the real services: a run whose task vanished from its queue is nudged and
+completes; a claim without a run is dropped; an unsent outbox entry is re-published; a dry run repairs
+nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from orchestrator.client import SyncClient
+from orchestrator.store.keys import ShardKeys, index_key
+from tests.integration.stack import ROOT, Stack, poll, rabbitmqctl, running
+
+pytestmark = pytest.mark.services
+
+
+@pytest.fixture(scope="module")
+def stack() -> Iterator[Stack]:
+    with running("reconcile") as s:
+        yield s
+
+
+def reconcile(stack: Stack, *extra: str) -> dict[str, Any]:
+    done = subprocess.run(
+        [sys.executable, "-m", "orchestrator", "reconcile", "--json", "--min-age-s", "0", *extra],
+        cwd=ROOT,
+        env={**os.environ, **stack.env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    return dict(json.loads(done.stdout))
+
+
+def test_a_run_whose_task_vanished_is_found_nudged_and_completes(stack: Stack) -> None:
+    with SyncClient(stack.settings) as client:
+        stack.stop("worker")
+        run_id = client.start("model-ingest", {"modelId": "stranded-1"})
+        poll(lambda: stack.record(run_id).get("s:cache-lookup:status") == "queued", 20, what="dispatched")
+        poll(lambda: not stack.outbox(stack.record(run_id)["shard"]), 20, what="the dispatch confirmed")
+        rabbitmqctl("purge_queue", "-p", stack.vhost, "tasks.actions")  # the task is gone
+        time.sleep(1.1)  # history quiet for a second
+        found = reconcile(stack, "--dry-run", "--stranded-after-s", "1")
+        assert run_id in found["stranded"] and found["nudged"] == []
+        repaired = reconcile(stack, "--stranded-after-s", "1")
+        assert run_id in repaired["nudged"]
+        stack.start_worker()
+        assert client.wait(run_id, timeout_s=30).state == "completed"
+    nudged = [e for e in stack.history(run_id) if e["kind"] == "run.nudged"]
+    assert len(nudged) == 1 and len(nudged[0]["detail"]["resent"]) == 1
+
+
+def test_a_claim_without_a_run_is_dropped_and_a_real_claim_kept(stack: Stack) -> None:
+    with SyncClient(stack.settings) as client:
+        real = client.start("ingest-triage", {"sizeMb": 1, "format": "glb"})
+        assert client.wait(real, timeout_s=30).state == "completed"
+    orphan = "orphan-claim-1"
+    stack.redis.set(index_key(stack.prefix, orphan), "fast.0")
+    found = reconcile(stack, "--dry-run")
+    assert orphan in found["orphan_claims"] and real not in found["orphan_claims"]
+    assert stack.redis.exists(index_key(stack.prefix, orphan))
+    repaired = reconcile(stack)
+    assert orphan in repaired["dropped_claims"]
+    assert not stack.redis.exists(index_key(stack.prefix, orphan))
+    assert stack.redis.exists(index_key(stack.prefix, real))
+
+
+def test_an_unsent_outbox_entry_is_republished_and_marked_sent(stack: Stack) -> None:
+    shard = "fast.1"
+    entry = {
+        "id": "event-reconcile-probe",
+        "kind": "run.finished",
+        "route": ["events", "run.completed.probe"],
+        "body": {"run_id": "probe-run", "state": "completed", "definition": "probe", "output": None},
+        "run_id": "probe-run",
+        "at": int(time.time() * 1000),
+    }
+    outbox = ShardKeys(stack.prefix, shard).outbox()
+    stack.stop("orchestrator")  # its own relay would re-publish the entry too: this tests the reconciler
+    try:
+        stack.redis.hset(outbox, entry["id"], json.dumps(entry))
+        repaired = reconcile(stack)
+    finally:
+        stack.start_orchestrator()
+    assert "event-reconcile-probe" in repaired["unsent"]
+    assert "event-reconcile-probe" in repaired["republished"]
+    assert not stack.redis.hexists(outbox, "event-reconcile-probe")
