@@ -331,6 +331,58 @@ def cancel(run_id: str, reason: str, wait_s: float | None, as_json: bool) -> Non
 
 
 @click.command()
+@click.argument("run_id", required=False)
+@click.option("--all", "bulk", is_flag=True, help="Every run matching --state and --definition.")
+@click.option("--state", default="failed", show_default=True, help="With --all: runs in this state.")
+@click.option("--definition", default=None, help="With --all: runs of this definition only.")
+@click.option("--reason", default="", help="Why: recorded in the run's history.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def redrive(
+    run_id: str | None, bulk: bool, state: str, definition: str | None, reason: str, as_json: bool
+) -> None:
+    """Resume a failed run (or, with --all, every matching one) in a new epoch on its pinned plan:
+    completed stages keep their results; failed, cancelled, timed-out and compensated stages run again;
+    finalisers run once more. Exit 0 once the requests are with the broker."""
+    if bulk == (run_id is not None):
+        raise click.UsageError("name one RUN, or use --all (with --state and --definition)")
+    if bulk and state != "failed":
+        raise click.UsageError(f"only failed runs can be re-driven, not {state!r}")
+    settings = _settings()
+    requested_by = f"{getpass.getuser()}@{socket.gethostname()}"
+
+    async def go() -> list[str]:
+        async with Client(settings) as client:
+            chosen = [run_id] if run_id else await _failed_runs(settings, definition)
+            for one in chosen:
+                await client.redrive(one, reason, requested_by)
+            return chosen
+
+    chosen = _run(go())
+    if as_json:
+        _emit({"requested": chosen})
+    else:
+        click.echo(f"re-drive requested for {len(chosen)} run(s)")
+        for one in chosen:
+            click.echo(f"  {one}")
+
+
+async def _failed_runs(settings: Settings, definition: str | None) -> list[str]:
+    client = aioredis.Redis.from_url(settings.redis_url, decode_responses=True)
+    try:
+        store = RedisStore(client, settings.key_prefix)
+        found = []
+        for shard in names.parse_shards("", settings.shard_classes, settings.shard_count):
+            keys = store.keys(shard)
+            for one in await store.run_ids(shard):
+                status, name = await client.hmget(keys.run(one), ["status", "definition"])  # type: ignore[misc]
+                if status == "failed" and (definition is None or name == definition):
+                    found.append(one)
+        return found
+    finally:
+        await client.aclose()
+
+
+@click.command()
 @click.option("--dry-run", is_flag=True, help="Report what is stranded; repair nothing.")
 @click.option("--min-age-s", type=float, default=60.0, show_default=True, help="Ignore younger entries.")
 @click.option(
@@ -466,4 +518,4 @@ def _run(coro: Any) -> Any:
         raise _unreachable(exc) from exc
 
 
-COMMANDS = [orchestrator, worker, definitions, start, status, history, runs, cancel, reconcile]
+COMMANDS = [orchestrator, worker, definitions, start, status, history, runs, cancel, redrive, reconcile]

@@ -230,8 +230,17 @@ class Client:
 
     async def cancel(self, run_id: str, reason: str = "", requested_by: str = "") -> None:
         """Ask the run's shard to cancel the run: a failed intent with reason ``cancelled``, its active
-        stages asked to stop, then its finalisers. A run that already has an intent is left as it is
-        (the request is recorded as late in its history). Returns once the broker has the request."""
+        stages asked to stop, then its compensations and finalisers. A run that already has an intent is
+        left as it is (the request is recorded as late in its history). Returns once the broker has it."""
+        await self._request(Kind.CANCEL_RUN, run_id, reason, requested_by)
+
+    async def redrive(self, run_id: str, reason: str = "", requested_by: str = "") -> None:
+        """Ask the run's shard to resume a failed run in a new epoch, on its pinned plan: completed
+        stages keep their results, failed, cancelled, timed-out and compensated ones run again. A run
+        that is not failed is left as it is (the request is recorded as invalid in its history)."""
+        await self._request(Kind.REDRIVE, run_id, reason, requested_by)
+
+    async def _request(self, kind: Kind, run_id: str, reason: str, requested_by: str) -> None:
         if self._channel is None:
             raise SagaError("the client is not connected; use 'async with Client(settings) as client'")
         shard = await self.redis.get(index_key(self.settings.key_prefix, run_id))
@@ -239,8 +248,8 @@ class Client:
             raise RunNotFound(run_id)
         envelope = self.signer.sign(
             Envelope(
-                kind=Kind.CANCEL_RUN,
-                message_id=f"cancel-run-{uuid.uuid4().hex}",  # each request is its own
+                kind=kind,
+                message_id=f"{kind.value}-{uuid.uuid4().hex}",  # each request is its own
                 run_id=run_id,
                 shard=str(shard),
                 issued_at_ms=int(time.time() * 1000),

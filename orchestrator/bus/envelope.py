@@ -33,6 +33,7 @@ class Kind(StrEnum):
     ACCEPTED = "accepted"  # worker -> shard: an attempt with deadlines started (stops its queue clock)
     HEARTBEAT = "heartbeat"  # worker -> shard: the attempt's handler is alive
     CANCEL_RUN = "cancel.run"  # service or operator -> shard: cancel the whole run
+    REDRIVE = "redrive"  # operator -> shard: resume a failed run in a new epoch
 
 
 class Envelope(BaseModel):

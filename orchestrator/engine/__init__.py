@@ -21,7 +21,7 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from orchestrator.engine import ids, liveness
+from orchestrator.engine import ids, liveness, redrive
 from orchestrator.engine.model import (
     ACTIVE_STAGE_STATUSES,
     RUN,
@@ -37,6 +37,7 @@ from orchestrator.engine.model import (
     Key,
     Nudge,
     Outgoing,
+    Redrive,
     RunSnapshot,
     RunStatus,
     StageAccepted,
@@ -285,4 +286,5 @@ _HANDLERS: dict[type, Callable[[Step, Any], Decision]] = {
     TimerFired: liveness.timer_fired,
     CancelRun: liveness.cancel_run,
     Nudge: liveness.nudge,
+    Redrive: redrive.redrive,
 }

@@ -169,6 +169,15 @@ class CompensationResult:
 
 
 @dataclass(frozen=True)
+class Redrive:
+    """Resume a failed run on its pinned plan in a new epoch (``saga redrive``)."""
+
+    message_id: str
+    reason: str = ""
+    requested_by: str = ""
+
+
+@dataclass(frozen=True)
 class Nudge:
     """The reconciler found the run stranded (no unsent message, no timer, quiet for long): re-send what
     it is waiting for. Re-sent tasks keep their ids, so a task that was only slow is a duplicate."""
@@ -187,6 +196,7 @@ Event = (
     | CancelRun
     | CompensationResult
     | Nudge
+    | Redrive
 )
 
 
@@ -319,3 +329,5 @@ class Decision:
     untimers: tuple[str, ...] = ()  # timer members removed in the same atomic call
     claim: str | None = None  # a fired timer: the member must still be there and due, else no effect
     remember: bool = True  # add the message id to the run's applied set (not for heartbeats or timers)
+    removes: tuple[tuple[Key, str], ...] = ()  # fields deleted (before the writes)
+    persist: bool = False  # the run lives again (a re-drive): cancel the retention clock of its keys

@@ -67,6 +67,10 @@ class Step:
     untimers: set[str] = field(default_factory=set)
     claim: str | None = None
     remember: bool = True
+    removes: list[tuple[Key, str]] = field(default_factory=list)
+    persist: bool = False
+    redriving: bool = False  # a re-drive walks the plan again, reusing what completed before
+    reused_arrivals: dict[str, int] = field(default_factory=dict)  # join -> branches that arrived reused
 
     # ---- primitives --------------------------------------------------------------------------------
 
@@ -111,6 +115,8 @@ class Step:
             untimers=tuple(sorted(self.untimers)),
             claim=self.claim,
             remember=self.remember,
+            removes=tuple(self.removes),
+            persist=self.persist,
         )
 
     def done_at(self, stage: Mapping[str, Any]) -> int | None:
@@ -160,6 +166,8 @@ class Step:
             return
         stage = self.plan["stages"][target]
         kind = stage["type"]
+        if self.redriving and self._reuse(target, stage):
+            return
         if kind == "join":
             self._arrive(source, target, stage, outcome)
         elif kind == "decision":
@@ -196,16 +204,39 @@ class Step:
                 self.enter(name, branch["next"])
                 return
 
+    def _reuse(self, name: str, stage: Mapping[str, Any]) -> bool:
+        """Re-drive: a work stage that completed in an earlier epoch (and was not compensated) keeps its
+        result and is not run again; the walk goes on from it."""
+        rec = self.run.stages.get(name)
+        if stage["type"] not in ("action", "worker", "map") or rec is None:
+            return False
+        if rec.status is not StageStatus.COMPLETED:
+            return False
+        self.record("stage.reused", name, rec.attempt, from_fence=rec.fence)
+        self.enter(name, stage["on_success"])
+        return True
+
     def _fork(self, name: str, stage: Mapping[str, Any]) -> None:
         fence = ids.stage_fence(self.run.epoch, 1)
-        self.expect(Key("stage", name), "fence", None)
+        previous = self.run.stages.get(name)  # set in an earlier epoch, when re-driven
+        self.expect(Key("stage", name), "fence", previous.fence if previous else None)
         self.set_stage(name, StageRecord(StageStatus.COMPLETED, 1, fence))
         join = self._join_of(name)
-        self.barriers.append(BarrierInit(Key("barrier", join), len(stage["branches"])))
+        init = BarrierInit(Key("barrier", join), len(stage["branches"]))
+        self.barriers.append(init)
         self.set_stage(join, StageRecord(StageStatus.RUNNING, 1, fence))
         self.record("fork.released", name, branches=list(stage["branches"]))
         for branch in stage["branches"]:
             self.enter(name, branch)
+        reused = self.reused_arrivals.pop(join, 0)
+        if reused:  # re-drive: branches that completed before arrived at once; the rest are counted
+            self.barriers.remove(init)
+            if reused < init.count:
+                self.barriers.append(BarrierInit(init.key, init.count - reused))
+            elif self.intent is None:
+                self.set_stage(join, StageRecord(StageStatus.COMPLETED, 1, fence))
+                self.record("join.released", join, 1)
+                self.enter(join, self.plan["stages"][join]["on_success"])
 
     def _join_of(self, fork: str) -> str:
         return next(
@@ -219,6 +250,11 @@ class Step:
             rec = self.stage(join)
             self.set_stage(join, StageRecord(StageStatus.FAILED, 1, rec.fence if rec else "", error=outcome))
             self.enter(join, stage["on_failure"], "failed", f"branch {branch!r} arrived {outcome}")
+            return
+        if self.redriving and any(b.key.name == join for b in self.barriers):
+            # a reused branch arrives in the transition that opened the join: counted by the fork
+            self.reused_arrivals[join] = self.reused_arrivals.get(join, 0) + 1
+            self.record("branch.arrived", join, branch=branch, outcome=outcome, reused=True)
             return
         rec = self.stage(join)
         fence = rec.fence if rec else ids.stage_fence(self.run.epoch, 1)
@@ -246,7 +282,8 @@ class Step:
             )
             return
         fence = ids.stage_fence(self.run.epoch, 1)
-        self.expect(Key("stage", name), "fence", None)
+        previous = self.run.stages.get(name)  # set in an earlier epoch, when re-driven
+        self.expect(Key("stage", name), "fence", previous.fence if previous else None)
         if not items:
             self.set_stage(name, StageRecord(StageStatus.COMPLETED, 1, fence, result=[]))
             self.record("stage.completed", name, 1, items=0)

@@ -25,6 +25,7 @@ from orchestrator.engine.model import (
     FinaliserResult,
     Nudge,
     Outgoing,
+    Redrive,
     RunSnapshot,
     StageAccepted,
     StageHeartbeat,
@@ -36,7 +37,9 @@ from orchestrator.engine.model import (
 from orchestrator.store.redis_store import APPLIED, CONFLICT, NO_RUN, PlanNotFound, RedisStore
 
 # Kinds that continue an existing run on its shard (everything but a start).
-CONTINUES = frozenset({Kind.RESULT, Kind.RELEASE, Kind.ACCEPTED, Kind.HEARTBEAT, Kind.CANCEL_RUN})
+CONTINUES = frozenset(
+    {Kind.RESULT, Kind.RELEASE, Kind.ACCEPTED, Kind.HEARTBEAT, Kind.CANCEL_RUN, Kind.REDRIVE}
+)
 
 MAX_CONFLICT_RETRIES = 8
 
@@ -301,9 +304,10 @@ def _to_publish(decision: Decision, code: int, detail: str) -> list[Outgoing]:
 
 def _event(envelope: Envelope) -> Event | None:
     body = envelope.body
-    if envelope.kind is Kind.CANCEL_RUN:
-        reason, by = body.get("reason", ""), body.get("requested_by", "")
-        return CancelRun(envelope.message_id, str(reason)[:500], str(by)[:200])
+    if envelope.kind in (Kind.CANCEL_RUN, Kind.REDRIVE):
+        reason, by = str(body.get("reason", ""))[:500], str(body.get("requested_by", ""))[:200]
+        request = CancelRun if envelope.kind is Kind.CANCEL_RUN else Redrive
+        return request(envelope.message_id, reason, by)
     if envelope.stage is None or envelope.fence is None:
         return None
     if envelope.kind in (Kind.ACCEPTED, Kind.HEARTBEAT):

@@ -125,6 +125,8 @@ class MemoryStore:
         return APPLIED, str(remaining)
 
     def _write(self, run: MemoryRun, body: dict[str, Any], names: dict[int, str]) -> None:
+        for name in body.get("dels", []):
+            run.record.pop(name, None)
         sets = body["sets"]
         for i in range(0, len(sets), 2):
             run.record[sets[i]] = sets[i + 1]

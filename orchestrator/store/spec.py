@@ -103,6 +103,8 @@ def build_spec(
         "untimers": list(decision.untimers),
         "claim": decision.claim,
         "remember": decision.remember,
+        "dels": [field_name(k, name) for k, name in decision.removes],
+        "persist": decision.persist,
     }
     if decision.arrival is not None:
         a = decision.arrival

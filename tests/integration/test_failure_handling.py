@@ -8,6 +8,7 @@ processes. What the tests read is the durable history: every assertion is about 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -22,6 +23,7 @@ from orchestrator.client import SyncClient
 from orchestrator.compiler import compile_text
 from orchestrator.engine import ids
 from orchestrator.provision import publish_plans
+from orchestrator.store.keys import ShardKeys
 from tests.integration.stack import REGISTRY, ROOT, Stack, poll, running
 
 pytestmark = pytest.mark.services
@@ -293,3 +295,54 @@ def test_a_failed_model_ingest_discards_its_rendered_thumbnail_once_before_its_f
     # the undo's effect is recorded under this run's compensation task (once: keyed by idempotency key)
     key = ids.message_id("task", run_id, "compensate:render-thumbnail", "1.c0")
     assert stack.world.effects().get(key) == "thumbnail.discard"
+
+
+def saga_cli(stack: Stack, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "orchestrator", *args],
+        cwd=ROOT,
+        env={**os.environ, **stack.env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def test_saga_redrive_resumes_failed_runs_in_a_new_epoch_keeping_what_completed(
+    stack: Stack, client: SyncClient
+) -> None:
+    models = ["redrive-1", "redrive-2", "redrive-3"]
+    for model in models:
+        stack.world.set_fault(model, "metadata.extract", fail=True)
+    runs = [client.start("model-ingest", {"modelId": model}) for model in models]
+    assert all(client.wait(run_id, timeout_s=30).state == "failed" for run_id in runs)
+    for model in models:  # the fault is fixed
+        stack.redis.delete(f"{stack.prefix}:demo:faults:{model}")
+    # one run by id, the other two in bulk
+    single = saga_cli(stack, "redrive", runs[0], "--reason", "metadata fixed")
+    assert single.returncode == 0, single.stderr
+    assert client.wait(runs[0], timeout_s=30).state == "completed"
+    bulk = saga_cli(stack, "redrive", "--all", "--definition", "model-ingest", "--json")
+    assert bulk.returncode == 0, bulk.stderr
+    assert set(runs[1:]) <= set(json.loads(bulk.stdout)["requested"])
+    for run_id in runs:
+        assert client.wait(run_id, timeout_s=30).state == "completed"
+        record = stack.record(run_id)
+        assert record["epoch"] == "2" and record["s:render-thumbnail:fence"] == "2.1"
+        kinds = [e["kind"] for e in history(stack, run_id)]
+        assert kinds.count("run.redriven") == 1 and kinds.count("finaliser.completed") == 2
+        assert [e["stage"] for e in events(stack, run_id, "stage.reused")] == ["cache-lookup"]
+        assert stack.redis.ttl(ShardKeys(stack.prefix, record["shard"]).run(run_id)) > 0  # ended again
+    assert [e["why"] for e in events(stack, runs[0], "run.redriven")] == ["metadata fixed"]
+    # a run that is not failed is refused, and says so in its history
+    before = len(events(stack, runs[0], "callback.rejected"))
+    refused = saga_cli(stack, "redrive", runs[0])
+    assert refused.returncode == 0
+    rejected = poll(
+        lambda: at_least(before + 1, events(stack, runs[0], "callback.rejected")),
+        10,
+        what="the refused re-drive recorded",
+    )
+    assert rejected[-1]["reason"] == "invalid" and "only a failed run" in rejected[-1]["detail"]
+    assert stack.record(runs[0])["epoch"] == "2"

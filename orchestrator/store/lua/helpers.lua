@@ -43,6 +43,9 @@ local function append_outbox(outbox, entries)
 end
 
 local function apply_writes(keys, spec)
+  if #spec.dels > 0 then
+    redis.call('HDEL', keys[1], unpack(spec.dels))
+  end
   if #spec.sets > 0 then
     redis.call('HSET', keys[1], unpack(spec.sets))
   end
@@ -81,6 +84,12 @@ end
 
 -- Every write of an accepted transition, after all its checks passed.
 local function commit(keys, spec)
+  if spec.persist then
+    -- a re-driven run lives again: its keys lose the retention clock its end had started
+    for i = 1, #keys do
+      if i ~= 4 and i ~= 5 and i ~= 6 then redis.call('PERSIST', keys[i]) end
+    end
+  end
   apply_writes(keys, spec)
   if spec.remember then redis.call('SADD', keys[3], spec.mid) end
   apply_timers(keys, spec)

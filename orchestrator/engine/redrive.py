@@ -1,0 +1,61 @@
+"""Re-drive: resume a failed run on its pinned plan, in a new epoch.
+
+The plan is walked again from its entry. A work stage that completed in an earlier epoch (and was not
+compensated) keeps its result and is not run again; every other stage reached runs afresh with fences of
+the new epoch, so any report still in flight from the old epoch is stale. Compensated stages run again
+(their effect was undone). Finalisers run once per epoch, and the run deadline starts again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from orchestrator.engine import ids
+from orchestrator.engine.model import RUN, Clock, Decision, Redrive, RunStatus, Verdict
+from orchestrator.engine.step import Step, rejected
+
+# Run fields that belong to an epoch's ending, cleared when the run lives again.
+ENDING_FIELDS = (
+    "intent",
+    "reason",
+    "finished_at",
+    "output",
+    "phase",
+    "finaliser_index",
+    "finaliser_failed",
+    "compensations",
+    "compensation_index",
+    "compensation_failed",
+)
+
+
+def redrive(step: Step, event: Redrive) -> Decision:
+    run = step.run
+    if run.status is not RunStatus.FAILED:
+        why = f"only a failed run can be re-driven; run {run.run_id} is {run.status.value}"
+        return rejected(Verdict.INVALID, why, None)
+    epoch = run.epoch + 1
+    fresh = dataclasses.replace(
+        run,
+        epoch=epoch,
+        status=RunStatus.RUNNING,
+        intent=None,
+        reason=None,
+        output=None,
+        phase="",
+        finaliser_index=0,
+        finaliser_failed=False,
+        compensations=(),
+        compensation_index=0,
+        compensation_failed=False,
+    )
+    walk = Step(step.plan, step.digest, fresh, step.now_ms, redriving=True, persist=True)
+    walk.expect(RUN, "status", RunStatus.FAILED.value)
+    walk.expect(RUN, "epoch", str(run.epoch))
+    walk.removes.extend((RUN, name) for name in ENDING_FIELDS)
+    walk.write(RUN, epoch=str(epoch), status=RunStatus.RUNNING.value)
+    walk.record("run.redriven", epoch=epoch, by=event.requested_by, why=event.reason)
+    if step.plan.get("run_deadline_ms"):
+        walk.set_timer(Clock.RUN, "", ids.run_fence(epoch), step.plan["run_deadline_ms"])
+    walk.enter(None, step.plan["entry"])
+    return walk.decision()

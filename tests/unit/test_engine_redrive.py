@@ -1,0 +1,76 @@
+"""Re-drive in the pure engine: a failed run resumes in a new epoch; completed stages keep their results,
+failed and compensated ones run again; old-epoch reports are stale; finalisers run once per epoch."""
+
+from __future__ import annotations
+
+from orchestrator.engine.model import Redrive, StageResult, Verdict
+from tests.unit.engine_sim import Sim
+from tests.unit.test_engine import sim_for
+
+
+def failed_ingest() -> Sim:
+    """model-ingest whose metadata branch fails: the run fails, the rendered thumbnail is discarded."""
+    sim = sim_for("model-ingest", {"modelId": "m-1"}, fail_stages=frozenset({"technical-metadata"}))
+    sim.run()
+    assert sim.status == "failed"
+    assert sim.record["s:render-thumbnail:status"] == "compensated"
+    return sim
+
+
+def test_a_redriven_run_reuses_what_completed_and_reruns_what_failed_or_was_undone() -> None:
+    sim = failed_ingest()
+    old_tasks = list(sim.tasks)
+    sim.fail_stages = frozenset()  # the fault is fixed
+    handled = sim.handle(Redrive("redrive-1", "metadata service fixed", "ops@host"))
+    assert handled.verdict is Verdict.APPLIED
+    sim.run()
+    assert sim.status == "completed"
+    assert sim.record["epoch"] == "2"
+    redriven = sim.entries("run.redriven")
+    assert redriven[0]["detail"] == {"epoch": 2, "by": "ops@host", "why": "metadata service fixed"}
+    # cache-lookup completed and was kept; render was compensated, so it ran again; both branches re-ran
+    reused = [h["stage"] for h in sim.entries("stage.reused")]
+    assert reused == ["cache-lookup"]
+    new_tasks = [t.body["stage"] for t in sim.tasks[len(old_tasks) :]]
+    assert "cache-lookup" not in new_tasks
+    assert {"render-thumbnail", "semantic-analysis", "technical-metadata", "publish"} <= set(new_tasks)
+    assert sim.record["s:render-thumbnail:fence"] == "2.1"
+    # finalisers once per epoch
+    assert [h["stage"] for h in sim.entries("finaliser.completed")] == ["finaliser:0", "finaliser:0"]
+    assert sim.output == {"modelId": "m-1", "catalogueId": "cat-m-1"}
+
+
+def test_a_report_from_the_old_epoch_is_stale_after_a_redrive() -> None:
+    sim = failed_ingest()
+    old = next(t for t in sim.tasks if t.body["stage"] == "technical-metadata")
+    sim.fail_stages = frozenset()
+    sim.handle(Redrive("redrive-1"))
+    for _ in range(50):  # until the new epoch dispatched technical-metadata again
+        if sim.record["s:technical-metadata:fence"] == "2.1":
+            break
+        sim.deliver_at(0)
+    late = StageResult(
+        "old-epoch", "technical-metadata", 1, str(old.body["fence"]), True, {"faces": 1, "vertices": 1}
+    )
+    assert sim.handle(late).verdict is Verdict.STALE
+    sim.run()
+    assert sim.status == "completed"
+
+
+def test_only_a_failed_run_can_be_redriven() -> None:
+    sim = sim_for("model-ingest", {"modelId": "m-2"})
+    sim.run()
+    assert sim.status == "completed"
+    refused = sim.handle(Redrive("redrive-1"))
+    assert refused.verdict is Verdict.INVALID
+    assert sim.record["epoch"] == "1" and sim.status == "completed"
+
+
+def test_a_run_redriven_with_the_fault_still_there_fails_again_in_its_new_epoch() -> None:
+    sim = failed_ingest()
+    sim.handle(Redrive("redrive-1"))
+    sim.run()
+    assert sim.status == "failed" and sim.record["epoch"] == "2"
+    assert len(sim.entries("run.failed")) == 2
+    # the second failure undid the second render too, once
+    assert [h["stage"] for h in sim.entries("compensation.completed")] == ["compensate:render-thumbnail"] * 2
