@@ -196,21 +196,7 @@ class WorkerRuntime:
         """Tell the run's shard about the attempt (acceptance, heartbeat). Best effort: a lost report
         can only make a clock expire, which fences the attempt; it never corrupts the run."""
         message_id = ids.message_id(what, task.run_id, task.stage or "", task.fence or "")
-        body = signed_message(
-            self.signer,
-            kind=kind.value,
-            message_id=message_id,
-            run_id=task.run_id,
-            shard=task.shard,
-            stage=task.stage,
-            attempt=task.attempt,
-            fence=task.fence,
-            digest=task.digest,
-            contract=task.contract,
-            tenant=task.tenant,
-            issued_at_ms=self.clock_ms(),
-            body={},
-        )
+        body = self._reply(task, kind, message_id, {})
         try:
             await publisher.publish_bytes(body, message_id, names.RUNS_EXCHANGE, task.shard)
         except Exception as exc:
@@ -278,10 +264,14 @@ class WorkerRuntime:
             body = {"ok": False, "error": outcome.value, "retryable": outcome.retryable}
             if outcome.cancelled:
                 body["cancelled"] = True
+        return self._reply(task, Kind.RESULT, ids.result_id(task.message_id), body)
+
+    def _reply(self, task: Envelope, kind: Kind, message_id: str, body: dict[str, Any]) -> bytes:
+        """A signed message about ``task`` for its run's shard, carrying the task's identity."""
         return signed_message(
             self.signer,
-            kind=Kind.RESULT.value,
-            message_id=ids.result_id(task.message_id),
+            kind=kind.value,
+            message_id=message_id,
             run_id=task.run_id,
             shard=task.shard,
             stage=task.stage,

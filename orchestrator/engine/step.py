@@ -336,12 +336,33 @@ class Step:
         *,
         item: int | None = None,
     ) -> None:
+        report = None
+        if item is None and clocks.needs_acceptance(stage):
+            # the worker reports acceptance, and heartbeats at a third of the timeout
+            report = {"accept": True, "heartbeat_ms": stage.get("heartbeat_timeout_ms")}
         ref = stage.get("action") or stage["worker"]
-        message_id = ids.message_id("task", self.run.run_id, name, fence, "" if item is None else item)
+        self.outgoing.append(self.task(name, ref, attempt, fence, payload, item=item, report=report))
+
+    def task(
+        self,
+        label: str,
+        ref: str,
+        attempt: int,
+        fence: str,
+        payload: Any,
+        *,
+        item: int | None = None,
+        report: dict[str, Any] | None = None,
+    ) -> Outgoing:
+        """A task message for contract ``ref``: its id is a pure function of run, label, fence and item, so
+        building it again (a relay, a nudge) gives the same message, and it is the idempotency key."""
+        # stage tasks name their item (empty for a single task); finalisers and compensations have none
+        item_part = () if ":" in label else ("" if item is None else item,)
+        message_id = ids.message_id("task", self.run.run_id, label, fence, *item_part)
         body = {
             "run_id": self.run.run_id,
             "shard": self.run.shard,
-            "stage": name,
+            "stage": label,
             "attempt": attempt,
             "fence": fence,
             "item": item,
@@ -351,18 +372,15 @@ class Step:
             "input": payload,
             "idempotency_key": message_id,
         }
-        if item is None and clocks.needs_acceptance(stage):
-            # the worker reports acceptance, and heartbeats at a third of the timeout
-            body["report"] = {"accept": True, "heartbeat_ms": stage.get("heartbeat_timeout_ms")}
-        self.outgoing.append(Outgoing(message_id, "task", ("task", stage["queue"]), body))
+        if report is not None:
+            body["report"] = report
+        queue = self.plan["stages"][label]["queue"] if label in self.plan["stages"] else None
+        return Outgoing(message_id, "task", ("task", queue or self.plan["contracts"][ref]["queue"]), body)
 
     def resend_task(self, name: str, stage: Mapping[str, Any], rec: StageRecord) -> Outgoing:
         """The current attempt's task again: same id, fence and input (the reconciler's nudge)."""
-        before = len(self.outgoing)
         self._send_task(name, stage, rec.attempt, rec.fence, self._bind_input(name, stage))
-        task = self.outgoing.pop()
-        assert len(self.outgoing) == before
-        return task
+        return self.outgoing.pop()
 
     def fail_attempt(
         self,
@@ -451,34 +469,18 @@ class Step:
         """The task undoing stage ``name`` (the same message whenever it is built)."""
         stage = self.plan["stages"][name]
         rec = self.stage(name)
-        ref = stage["compensate"]
-        fence = ids.compensation_fence(self.run.epoch, index)
-        label = f"compensate:{name}"
-        message_id = ids.message_id("task", self.run.run_id, label, fence)
         try:
             bound_input = self._bind_input(name, stage)  # the same input the stage was given
         except BindingError:
             bound_input = {}
-        body = {
+        undo_input = {
             "run_id": self.run.run_id,
-            "shard": self.run.shard,
-            "stage": label,
-            "attempt": 1,
-            "fence": fence,
-            "item": None,
-            "contract": ref,
-            "digest": self.digest,
-            "tenant": self.run.tenant,
-            "input": {
-                "run_id": self.run.run_id,
-                "stage": name,
-                "input": bound_input if isinstance(bound_input, dict) else {"value": bound_input},
-                "result": rec.result if rec else None,
-            },
-            "idempotency_key": message_id,
+            "stage": name,
+            "input": bound_input if isinstance(bound_input, dict) else {"value": bound_input},
+            "result": rec.result if rec else None,
         }
-        queue = self.plan["contracts"][ref]["queue"]
-        return Outgoing(message_id, "task", ("task", queue), body)
+        fence = ids.compensation_fence(self.run.epoch, index)
+        return self.task(f"compensate:{name}", stage["compensate"], 1, fence, undo_input)
 
     def _cancel_active(self) -> None:
         names = set(self.run.stages) | set(self.overlay)
@@ -520,31 +522,16 @@ class Step:
 
     def finaliser_task(self, index: int) -> Outgoing:
         """Finaliser ``index``'s task (the same message whenever it is built: a re-send is a duplicate)."""
-        ref = self.plan["finalisers"][index]
-        fence = ids.finaliser_fence(self.run.epoch, index)
-        message_id = ids.message_id("task", self.run.run_id, f"finaliser:{index}", fence)
-        body = {
+        run_input = {
             "run_id": self.run.run_id,
-            "shard": self.run.shard,
-            "stage": f"finaliser:{index}",
-            "attempt": 1,
-            "fence": fence,
-            "item": None,
-            "contract": ref,
+            "definition": self.plan["name"],
+            "definition_version": self.plan["version"],
             "digest": self.digest,
-            "tenant": self.run.tenant,
-            "input": {
-                "run_id": self.run.run_id,
-                "definition": self.plan["name"],
-                "definition_version": self.plan["version"],
-                "digest": self.digest,
-                "intent": (self.intent or self.run.intent or Intent.FAILED).value,
-                "reason": self.reason or self.run.reason,
-            },
-            "idempotency_key": message_id,
+            "intent": (self.intent or self.run.intent or Intent.FAILED).value,
+            "reason": self.reason or self.run.reason,
         }
-        queue = self.plan["contracts"][ref]["queue"]
-        return Outgoing(message_id, "task", ("task", queue), body)
+        fence = ids.finaliser_fence(self.run.epoch, index)
+        return self.task(f"finaliser:{index}", self.plan["finalisers"][index], 1, fence, run_input)
 
     def finish(self) -> None:
         intent = self.intent or self.run.intent

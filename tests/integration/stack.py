@@ -135,6 +135,18 @@ class Stack:
             stderr=subprocess.STDOUT,
         )
 
+    def saga(self, *args: str, timeout_s: float = 120.0) -> subprocess.CompletedProcess[str]:
+        """Run ``saga ARGS`` against this stack (its vhost, key prefix and settings)."""
+        return subprocess.run(
+            [sys.executable, "-m", "orchestrator", *args],
+            cwd=ROOT,
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            check=False,
+        )
+
     def stop(self, name: str, sig: int = signal.SIGTERM) -> int:
         process = self.processes.pop(name)
         if process.poll() is None:

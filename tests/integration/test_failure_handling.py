@@ -9,10 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
-import subprocess
-import sys
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
@@ -24,7 +21,7 @@ from orchestrator.compiler import compile_text
 from orchestrator.engine import ids
 from orchestrator.provision import publish_plans
 from orchestrator.store.keys import ShardKeys
-from tests.integration.stack import REGISTRY, ROOT, Stack, poll, running
+from tests.integration.stack import REGISTRY, Stack, poll, running
 
 pytestmark = pytest.mark.services
 
@@ -241,25 +238,7 @@ def test_saga_cancel_cancels_a_running_run(stack: Stack, client: SyncClient) -> 
     stack.world.set_fault("cancel-1", "thumbnail.render", delay_ms=5000)
     run_id = client.start(name, {"modelId": "cancel-1"})
     poll(lambda: stack.record(run_id).get("s:render:status") == "queued", 10, what="render dispatched")
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "orchestrator",
-            "cancel",
-            run_id,
-            "--reason",
-            "operator says stop",
-            "--wait",
-            "20",
-        ],
-        cwd=ROOT,
-        env={**os.environ, **stack.env},
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    done = stack.saga("cancel", run_id, "--reason", "operator says stop", "--wait", "20")
     assert done.returncode == 0, done.stderr
     assert "the run is failed (cancelled: operator says stop)" in done.stdout
     requested = events(stack, run_id, "cancel.requested")
@@ -297,18 +276,6 @@ def test_a_failed_model_ingest_discards_its_rendered_thumbnail_once_before_its_f
     assert stack.world.effects().get(key) == "thumbnail.discard"
 
 
-def saga_cli(stack: Stack, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "orchestrator", *args],
-        cwd=ROOT,
-        env={**os.environ, **stack.env},
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-
-
 def test_saga_redrive_resumes_failed_runs_in_a_new_epoch_keeping_what_completed(
     stack: Stack, client: SyncClient
 ) -> None:
@@ -320,10 +287,10 @@ def test_saga_redrive_resumes_failed_runs_in_a_new_epoch_keeping_what_completed(
     for model in models:  # the fault is fixed
         stack.redis.delete(f"{stack.prefix}:demo:faults:{model}")
     # one run by id, the other two in bulk
-    single = saga_cli(stack, "redrive", runs[0], "--reason", "metadata fixed")
+    single = stack.saga("redrive", runs[0], "--reason", "metadata fixed")
     assert single.returncode == 0, single.stderr
     assert client.wait(runs[0], timeout_s=30).state == "completed"
-    bulk = saga_cli(stack, "redrive", "--all", "--definition", "model-ingest", "--json")
+    bulk = stack.saga("redrive", "--all", "--definition", "model-ingest", "--json")
     assert bulk.returncode == 0, bulk.stderr
     assert set(runs[1:]) <= set(json.loads(bulk.stdout)["requested"])
     for run_id in runs:
@@ -337,7 +304,7 @@ def test_saga_redrive_resumes_failed_runs_in_a_new_epoch_keeping_what_completed(
     assert [e["why"] for e in events(stack, runs[0], "run.redriven")] == ["metadata fixed"]
     # a run that is not failed is refused, and says so in its history
     before = len(events(stack, runs[0], "callback.rejected"))
-    refused = saga_cli(stack, "redrive", runs[0])
+    refused = stack.saga("redrive", runs[0])
     assert refused.returncode == 0
     rejected = poll(
         lambda: at_least(before + 1, events(stack, runs[0], "callback.rejected")),

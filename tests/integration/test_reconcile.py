@@ -5,9 +5,6 @@ nothing."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -16,7 +13,7 @@ import pytest
 
 from orchestrator.client import SyncClient
 from orchestrator.store.keys import ShardKeys, index_key
-from tests.integration.stack import ROOT, Stack, poll, rabbitmqctl, running
+from tests.integration.stack import Stack, poll, rabbitmqctl, running
 
 pytestmark = pytest.mark.services
 
@@ -28,15 +25,7 @@ def stack() -> Iterator[Stack]:
 
 
 def reconcile(stack: Stack, *extra: str) -> dict[str, Any]:
-    done = subprocess.run(
-        [sys.executable, "-m", "orchestrator", "reconcile", "--json", "--min-age-s", "0", *extra],
-        cwd=ROOT,
-        env={**os.environ, **stack.env},
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    done = stack.saga("reconcile", "--json", "--min-age-s", "0", *extra)
     assert done.returncode == 0, done.stderr
     return dict(json.loads(done.stdout))
 
