@@ -18,7 +18,6 @@ from typing import Any
 import aio_pika
 import click
 import redis
-import redis.asyncio as aioredis
 
 from orchestrator.bus import names
 from orchestrator.bus.envelope import Signer
@@ -28,7 +27,7 @@ from orchestrator.durability import DurabilityRefused, Role, check_startup
 from orchestrator.errors import SagaError
 from orchestrator.provision import publish_plans
 from orchestrator.reconcile import Reconciler, Report
-from orchestrator.settings import Settings
+from orchestrator.settings import Settings, redis_client
 from orchestrator.shard.processor import Processor
 from orchestrator.shard.service import ShardOptions, ShardService
 from orchestrator.store.keys import ShardKeys
@@ -114,7 +113,7 @@ def orchestrator(shard_class: str | None, shards: str, verbose: bool) -> None:
         connection = await aio_pika.connect_robust(
             _heartbeat_url(settings.amqp_url, settings.amqp_heartbeat_s)
         )
-        client = aioredis.Redis.from_url(settings.redis_url, decode_responses=True)
+        client = redis_client(settings)
         store = RedisStore(client, settings.key_prefix, settings.retention_ms)
         options = ShardOptions(
             prefetch=settings.shard_prefetch,
@@ -367,7 +366,7 @@ def redrive(
 
 
 async def _failed_runs(settings: Settings, definition: str | None) -> list[str]:
-    client = aioredis.Redis.from_url(settings.redis_url, decode_responses=True)
+    client = redis_client(settings)
     try:
         store = RedisStore(client, settings.key_prefix)
         found = []
@@ -397,7 +396,7 @@ def reconcile(dry_run: bool, min_age_s: float, stranded_after_s: float, as_json:
 
     async def go() -> Report:
         connection = await aio_pika.connect_robust(settings.amqp_url)
-        client = aioredis.Redis.from_url(settings.redis_url, decode_responses=True)
+        client = redis_client(settings)
         try:
             channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
             store = RedisStore(client, settings.key_prefix, settings.retention_ms)
@@ -440,7 +439,7 @@ def history(run_id: str, as_json: bool) -> None:
     settings = _settings()
 
     async def go() -> list[dict[str, Any]]:
-        client = aioredis.Redis.from_url(settings.redis_url, decode_responses=True)
+        client = redis_client(settings)
         try:
             store = RedisStore(client, settings.key_prefix)
             shard = await store.owner(run_id)
@@ -470,7 +469,7 @@ def runs(state: str | None, as_json: bool) -> None:
     shard_ids = names.parse_shards("", settings.shard_classes, settings.shard_count)
 
     async def go() -> list[dict[str, Any]]:
-        client = aioredis.Redis.from_url(settings.redis_url, decode_responses=True)
+        client = redis_client(settings)
         try:
             found = []
             for shard in shard_ids:

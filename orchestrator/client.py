@@ -19,13 +19,12 @@ from typing import Any
 import aio_pika
 import pika
 import redis
-import redis.asyncio as aioredis
 
 from orchestrator.bus import names
 from orchestrator.bus.envelope import Envelope, Kind, Signer, encode
 from orchestrator.engine.model import TERMINAL_RUN_STATUSES, RunStatus
 from orchestrator.errors import SagaError
-from orchestrator.settings import Settings
+from orchestrator.settings import Settings, redis_client
 from orchestrator.store.keys import ShardKeys, active_key, index_key, plan_key
 from orchestrator.store.spec import snapshot_from_record
 
@@ -177,7 +176,7 @@ class Client:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.signer = Signer.from_settings(settings.signing_keys)
-        self.redis = aioredis.Redis.from_url(settings.redis_url, decode_responses=True)
+        self.redis = redis_client(settings)
         self._plans = ActivePlans()
         self._connection: aio_pika.abc.AbstractRobustConnection | None = None
         self._channel: aio_pika.abc.AbstractChannel | None = None

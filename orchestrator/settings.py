@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
+import redis.asyncio as aioredis
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
@@ -51,6 +52,12 @@ class Settings(BaseSettings):
     )
     amqp_url: str = "amqp://guest:guest@127.0.0.1:5672/"
     redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_timeout_s: float = Field(
+        5.0,
+        gt=0,
+        description="a Redis connect or reply slower than this counts as Redis being down (the "
+        "orchestrator stops consuming until it answers again) instead of a wait that never ends",
+    )
     key_prefix: str = Field("saga", description="prefix of every Redis key (tests use their own)")
     shard_count: int = Field(4, ge=1, le=256, description="shard queues per shard class")
     shard_prefetch: int = Field(64, ge=1, le=1000, description="unacked deliveries per shard consumer")
@@ -105,3 +112,17 @@ class Settings(BaseSettings):
             ),
             yaml=YamlLimits(max_bytes=self.max_definition_bytes),
         )
+
+
+def redis_client(settings: Settings) -> aioredis.Redis:
+    """The async Redis client every saga process uses. Without a socket timeout a connection whose peer
+    vanished without a reset (a partition that drops connection state, an idle-timeout NAT) blocks its
+    await forever: the shard would neither commit nor notice Redis is gone, and would keep its deliveries
+    and its single-active-consumer slot. With one, it is a timeout: Redis is down, and handled as such."""
+    return aioredis.Redis.from_url(
+        settings.redis_url,
+        decode_responses=True,
+        socket_timeout=settings.redis_timeout_s,
+        socket_connect_timeout=settings.redis_timeout_s,
+        socket_keepalive=True,
+    )
