@@ -16,6 +16,7 @@ import aio_pika
 import aiormq
 from aio_pika.abc import AbstractChannel, AbstractExchange
 from pamqp import commands as spec
+from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential
 
 from orchestrator.bus import names
 from orchestrator.bus.envelope import Envelope, Signer, encode, signed_message
@@ -57,6 +58,24 @@ def outgoing_from_payload(payload: Mapping[str, Any]) -> Outgoing:
     """Rebuild an outbox entry (as stored by the transition) for the relay."""
     route = payload["route"]
     return Outgoing(payload["id"], payload["kind"], (route[0], route[1]), payload["body"])
+
+
+PUBLISH_ATTEMPTS = 3
+
+
+def _transient(exc: BaseException) -> bool:
+    """Broker trouble that a moment may cure: a channel or connection going away, a negative confirm.
+    Not an unroutable message (a PublishError carrying the broker's Basic.Return): that will not pass."""
+    if isinstance(exc, aiormq.exceptions.PublishError):
+        return False
+    return isinstance(
+        exc,
+        aiormq.exceptions.DeliveryError
+        | aiormq.exceptions.ChannelInvalidStateError
+        | aiormq.exceptions.ConnectionClosed
+        | aiormq.exceptions.ChannelClosed
+        | ConnectionError,
+    )
 
 
 def _properties(message_id: str) -> spec.Basic.Properties:
@@ -121,6 +140,21 @@ class Publisher:
 
     async def publish_bytes(
         self, body: bytes, message_id: str, exchange: str, routing_key: str, *, mandatory: bool = True
+    ) -> None:
+        """Publish and wait for the confirm, retrying transient broker trouble a few times (the same
+        message, the same id: a retry is at worst a duplicate, never a new attempt). An unroutable
+        message is not transient and raises at once."""
+        async for attempt in AsyncRetrying(
+            retry=retry_if_exception(_transient),
+            stop=stop_after_attempt(PUBLISH_ATTEMPTS),
+            wait=wait_exponential(multiplier=0.05, max=1.0),
+            reraise=True,
+        ):
+            with attempt:
+                await self._publish_once(body, message_id, exchange, routing_key, mandatory)
+
+    async def _publish_once(
+        self, body: bytes, message_id: str, exchange: str, routing_key: str, mandatory: bool
     ) -> None:
         # Straight to aiormq with wait=False: aio-pika's publish waits for each frame to be written
         # before the next publish on the channel may queue, so every message cost its own socket write.
