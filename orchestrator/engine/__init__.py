@@ -132,6 +132,8 @@ def _stage_result(step: Step, event: StageResult) -> Decision:
         return rejected(
             Verdict.STALE, f"fence {event.fence} is not the current {rec.fence}", event.stage, event.attempt
         )
+    if stage["type"] == "map":
+        return _map_item(step, stage, rec, event)  # a map's items count their own attempts
     if event.attempt != rec.attempt:
         return rejected(
             Verdict.STALE,
@@ -139,8 +141,6 @@ def _stage_result(step: Step, event: StageResult) -> Decision:
             event.stage,
             event.attempt,
         )
-    if stage["type"] == "map":
-        return _map_item(step, stage, rec, event)
     if rec.status not in ACTIVE_STAGE_STATUSES:
         return rejected(
             Verdict.DUPLICATE, f"the attempt is already {rec.status.value}", event.stage, event.attempt
@@ -181,16 +181,23 @@ def _map_item(step: Step, stage: Mapping[str, Any], rec: StageRecord, event: Sta
         )
     if event.item is None or event.item < 0 or (rec.items is not None and event.item >= rec.items):
         return rejected(Verdict.INVALID, "a map item result must name its item", event.stage)
+    current = step.run.item_attempts.get(f"{event.stage}:{event.item}", 1)
+    if event.attempt != current:
+        why = f"item {event.item} attempt {event.attempt} is not the current {current}"
+        return rejected(Verdict.STALE, why, event.stage, event.attempt)
+    item_key = Key("item", f"{event.stage}:{event.item}")
+    step.expect(item_key, "attempt", None if current == 1 else str(current))
     if not event.ok:
         _guard_stage(step, event.stage, rec)
-        step.absent.append(
-            (Key("barrier", event.stage), str(event.item))
-        )  # an item that arrived stays arrived
+        step.absent.append((Key("barrier", event.stage), str(event.item)))  # an item that arrived stays
         error = f"item {event.item}: {event.error}"
-        step.record("stage.failed", event.stage, rec.attempt, item=event.item, error=event.error)
-        step.fail_attempt(event.stage, stage, rec, error, retryable=False)  # items are not retried alone
+        step.record("stage.failed", event.stage, current, item=event.item, error=event.error)
+        if event.retryable and current < stage["retry"]["max_attempts"]:
+            step.retry_item(event.stage, stage, rec, event.item, current)
+        else:
+            step.fail_attempt(event.stage, stage, rec, error, retryable=False)
         return step.decision()
-    # Arrivals commute: checked against the map's own fence, never the whole run.
+    # Arrivals commute: checked against the map's own fence (and the item's attempt), never the whole run.
     step.expect(Key("stage", event.stage), "fence", rec.fence)
     step.expect(RUN, "intent", None)
     release = Outgoing(

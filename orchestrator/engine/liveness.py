@@ -109,6 +109,8 @@ def timer_fired(step: Step, event: TimerFired) -> Decision:
     step.untimers.add(event.member)  # whatever the verdict, this timer is done
     if event.clock is Clock.RUN:
         return _run_deadline(step, event)
+    if event.clock is Clock.RETRY and "#" in event.stage:
+        return _item_retry(step, event)
     rec = step.run.stages.get(event.stage)
     stage = step.plan["stages"].get(event.stage)
     if rec is None or stage is None or rec.fence != event.fence or step.run.intent is not None:
@@ -123,6 +125,20 @@ def timer_fired(step: Step, event: TimerFired) -> Decision:
         return step.decision(Verdict.STALE)
     _guard(step, event.stage, rec)
     _time_out(step, event, stage, rec)
+    return step.decision()
+
+
+def _item_retry(step: Step, event: TimerFired) -> Decision:
+    """A map item's backoff is over: dispatch its next attempt, if the map still waits for it."""
+    name, _, item_text = event.stage.partition("#")
+    rec = step.run.stages.get(name)
+    attempt = step.run.item_attempts.get(f"{name}:{item_text}")
+    live = rec is not None and rec.fence == event.fence and rec.status in ACTIVE_STAGE_STATUSES
+    if rec is None or not live or attempt is None or step.run.intent is not None or not item_text.isdigit():
+        return step.decision(Verdict.STALE)
+    _guard(step, name, rec)
+    step.expect(Key("item", f"{name}:{item_text}"), "attempt", str(attempt))
+    step.dispatch_item(name, step.plan["stages"][name], rec, int(item_text), attempt)
     return step.decision()
 
 

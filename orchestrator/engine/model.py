@@ -232,6 +232,7 @@ class RunSnapshot:
     compensation_index: int = 0
     compensation_failed: bool = False
     phase: str = ""  # while finalising: "compensating", then "finalising"
+    item_attempts: Mapping[str, int] = field(default_factory=dict)  # "<map>:<item>" -> attempt, once retried
     tenant: str = "default"
     output: Any = None
     stages: Mapping[str, StageRecord] = field(default_factory=dict)
@@ -243,7 +244,8 @@ class RunSnapshot:
 
 @dataclass(frozen=True)
 class Key:
-    """A logical key of one run: ``run``, ``stage`` (with its name), ``barrier`` (join or map)."""
+    """A logical key of one run: ``run``, ``stage`` (with its name), ``barrier`` (join or map), ``item``
+    (``<map>:<item>``: a map item that was retried)."""
 
     kind: str
     name: str = ""

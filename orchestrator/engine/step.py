@@ -356,8 +356,11 @@ class Step:
     ) -> Outgoing:
         """A task message for contract ``ref``: its id is a pure function of run, label, fence and item, so
         building it again (a relay, a nudge) gives the same message, and it is the idempotency key."""
-        # stage tasks name their item (empty for a single task); finalisers and compensations have none
-        item_part = () if ":" in label else ("" if item is None else item,)
+        # stage tasks name their item (empty for a single task; with its attempt once an item is retried,
+        # as the map's fence stays); finalisers and compensations have none
+        item_part: tuple[object, ...] = () if ":" in label else ("" if item is None else item,)
+        if item is not None and attempt > 1:
+            item_part = (f"{item}@{attempt}",)
         message_id = ids.message_id("task", self.run.run_id, label, fence, *item_part)
         body = {
             "run_id": self.run.run_id,
@@ -381,6 +384,31 @@ class Step:
         """The current attempt's task again: same id, fence and input (the reconciler's nudge)."""
         self._send_task(name, stage, rec.attempt, rec.fence, self._bind_input(name, stage))
         return self.outgoing.pop()
+
+    def retry_item(
+        self, name: str, stage: Mapping[str, Any], rec: StageRecord, item: int, failed: int
+    ) -> None:
+        """A map item failed and may pass on another attempt: only it runs again, after its backoff; the
+        map's other items and its fence are untouched."""
+        label = f"{name}#{item}"
+        delay = clocks.backoff_ms(stage["retry"], self.run.run_id, label, failed)
+        self.write(Key("item", f"{name}:{item}"), attempt=str(failed + 1))
+        self.set_timer(Clock.RETRY, label, rec.fence, delay)
+        self.record("retry.scheduled", name, failed, item=item, next_attempt=failed + 1, delay_ms=delay)
+
+    def dispatch_item(
+        self, name: str, stage: Mapping[str, Any], rec: StageRecord, item: int, attempt: int
+    ) -> None:
+        try:
+            items = bind(stage["items"], self.variables(), None, f"{name}.items")
+            payload = self._bind_input(name, stage, item=items[item], index=item)
+        except (BindingError, IndexError, TypeError) as exc:  # the items changed: nothing to retry
+            self.set_stage(name, StageRecord(StageStatus.FAILED, rec.attempt, rec.fence, error=str(exc)))
+            self.record("stage.failed", name, attempt, item=item, error=str(exc), reason="binding")
+            self.enter(name, stage["on_failure"], "failed", str(exc))
+            return
+        self._send_task(name, stage, attempt, rec.fence, payload, item=item)
+        self.record("item.dispatched", name, attempt, item=item)
 
     def fail_attempt(
         self,

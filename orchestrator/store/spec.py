@@ -33,6 +33,8 @@ def field_name(key: Key, name: str) -> str:
         return name
     if key.kind == "stage":
         return f"s:{key.name}:{name}"
+    if key.kind == "item":
+        return f"i:{key.name}"  # one field per retried map item: its current attempt
     raise ValueError(f"no hash field for {key}")
 
 
@@ -123,8 +125,11 @@ def build_spec(
 def snapshot_from_record(record: Mapping[str, str], map_results: Mapping[str, list[Any]]) -> RunSnapshot:
     """Build the engine's snapshot from the flat run hash."""
     stage_fields: dict[str, dict[str, str]] = {}
+    item_attempts: dict[str, int] = {}
     for name, value in record.items():
-        if name.startswith("s:"):
+        if name.startswith("i:"):
+            item_attempts[name[2:]] = int(value)
+        elif name.startswith("s:"):
             stage, _, field = name[2:].rpartition(":")
             stage_fields.setdefault(stage, {})[field] = value
     stages = {
@@ -155,6 +160,7 @@ def snapshot_from_record(record: Mapping[str, str], map_results: Mapping[str, li
         compensation_index=int(record.get("compensation_index", "0")),
         compensation_failed=record.get("compensation_failed") == "1",
         phase=record.get("phase", ""),
+        item_attempts=item_attempts,
         tenant=record.get("tenant", "default"),
         output=json.loads(record["output"]) if "output" in record else None,
         stages=stages,

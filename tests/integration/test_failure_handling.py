@@ -313,3 +313,18 @@ def test_saga_redrive_resumes_failed_runs_in_a_new_epoch_keeping_what_completed(
     )
     assert rejected[-1]["reason"] == "invalid" and "only a failed run" in rejected[-1]["detail"]
     assert stack.record(runs[0])["epoch"] == "2"
+
+
+def test_a_bag_item_that_fails_once_is_retried_alone_and_the_bag_joins_once(
+    stack: Stack, client: SyncClient
+) -> None:
+    models = [f"bag-retry-{i}" for i in range(50)]
+    stack.world.set_fault(models[7], "thumbnail.render", fail_times=1)
+    run_id = client.start("thumbnail-batch", {"modelIds": models})
+    result = client.wait(run_id, timeout_s=60)
+    assert result.state == "completed", result
+    assert result.output["thumbnails"] == [{"thumbnailUri": f"thumbs/{m}.png"} for m in models]
+    (retry,) = events(stack, run_id, "retry.scheduled")
+    assert retry["item"] == 7 and retry["next_attempt"] == 2
+    assert [(e["item"], e["attempt"]) for e in events(stack, run_id, "item.dispatched")] == [(7, 2)]
+    assert len(events(stack, run_id, "stage.completed")) == 1  # the bag joined once

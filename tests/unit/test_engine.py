@@ -274,18 +274,27 @@ def test_map_dispatches_one_task_per_item_with_the_item_bound() -> None:
     assert sim.record["b:render-all"] == "3"
 
 
-def test_map_item_failure_fails_the_map_and_the_run() -> None:
+def test_a_map_item_that_keeps_failing_is_retried_alone_then_fails_the_map_and_the_run() -> None:
     sim = sim_for("thumbnail-batch", {"modelIds": ["a", "b", "c", "d"]}, fail_items=frozenset({2}))
     sim.deliver_at(0)
     sim.deliver_task("render-all", 0)
+    first = sim.deliver_task("render-all", 2)
+    # thumbnail-batch allows 2 attempts: only item 2 waits for its backoff, the map stays open
+    assert first is not None and first.took_effect
+    assert stage_state(sim, "render-all") == "queued"
+    (scheduled,) = sim.entries("retry.scheduled", "render-all")
+    assert scheduled["detail"]["item"] == 2 and scheduled["detail"]["next_attempt"] == 2
+    sim.fire_next_timer()
+    retried = [t for t in sim.tasks if t.body["item"] == 2]
+    assert [t.body["attempt"] for t in retried] == [1, 2]
+    assert retried[0].message_id != retried[1].message_id  # a new idempotency key for the new attempt
     failed = sim.deliver_task("render-all", 2)
 
     assert failed is not None and failed.took_effect
     assert stage_state(sim, "render-all") == "failed"
     assert sim.snapshot().stages["render-all"].error.startswith("item 2: InjectedFailure")  # type: ignore[union-attr]
     assert reason(sim).startswith("render-all: item 2: ")
-    (entry,) = sim.entries("stage.failed", "render-all")
-    assert entry["detail"]["item"] == 2
+    assert [e["detail"]["item"] for e in sim.entries("stage.failed", "render-all")] == [2, 2]
 
     # the remaining items report after the intent: late, and never released
     assert late(sim.deliver_task("render-all", 1))
@@ -294,6 +303,21 @@ def test_map_item_failure_fails_the_map_and_the_run() -> None:
     assert sim.status == "failed"
     assert not any(m.startswith("release-") for m in sim.published)
     assert "stage.completed" not in sim.kinds()
+
+
+def test_a_map_item_that_fails_once_is_retried_alone_and_the_map_completes_in_order() -> None:
+    ids_ = ["a", "b", "c"]
+    sim = sim_for("thumbnail-batch", {"modelIds": ids_}, fail_items=frozenset({1}))
+    sim.deliver_at(0)
+    sim.deliver_task("render-all", 1)  # attempt 1 of item 1 fails
+    sim.fail_items = frozenset()  # the next one will pass
+    stale = next(t for t in sim.tasks if t.body["item"] == 1)
+    sim.run()
+    assert sim.status == "completed"
+    assert sim.output["thumbnails"] == [{"thumbnailUri": f"thumbs/{i}.png"} for i in ids_]  # type: ignore[index]
+    # a late success of the failed attempt changes nothing
+    report = sim.work(stale)
+    assert sim.handle(report).verdict is not Verdict.APPLIED
 
 
 def test_map_over_max_items_fails_to_start() -> None:

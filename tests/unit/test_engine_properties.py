@@ -153,8 +153,13 @@ def check_retries(sim: Sim) -> None:
         if h["kind"] == "retry.scheduled":
             later = history[i + 1 :]
             next_attempt = str(int(h["attempt"]) + 1)
+            item = h["detail"].get("item")
+            kind = "stage.dispatched" if item is None else "item.dispatched"
             dispatched = any(
-                e["kind"] == "stage.dispatched" and e["stage"] == h["stage"] and e["attempt"] == next_attempt
+                e["kind"] == kind
+                and e["stage"] == h["stage"]
+                and e["attempt"] == next_attempt
+                and e["detail"].get("item") == item
                 for e in later
             )
             assert dispatched or any(e["kind"] == "intent.set" for e in later), h
@@ -220,7 +225,9 @@ def check_invariants(sim: Sim) -> None:
     # at most one accepted report per (stage, attempt), per item for a map
     # (a timed-out attempt is settled too: its later result is stale)
     outcome_kinds = ("stage.completed", "stage.failed", "stage.timed_out")
-    settled = Counter((h["stage"], h["attempt"]) for h in history if h["kind"] in outcome_kinds)
+    settled = Counter(
+        (h["stage"], h["attempt"], h["detail"].get("item")) for h in history if h["kind"] in outcome_kinds
+    )
     assert all(n == 1 for n in settled.values()), settled
     reports = Counter(
         (
