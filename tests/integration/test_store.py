@@ -94,6 +94,7 @@ class State:
     applied: set[str]
     barriers: dict[str, dict[str, str]]
     outbox: dict[str, str]
+    timers: dict[str, int]  # the run's members of the shard's timer set, with their due times
 
 
 async def redis_state(store: RedisStore, run_id: str, plan: Mapping[str, Any]) -> State:
@@ -106,6 +107,11 @@ async def redis_state(store: RedisStore, run_id: str, plan: Mapping[str, Any]) -
         applied=set(await client.smembers(keys.applied(run_id))),
         barriers={b: await client.hgetall(keys.barrier(run_id, b)) for b in barrier_stages(plan)},
         outbox={k: v for k, v in outbox.items() if json.loads(v)["run_id"] == run_id},
+        timers={
+            m: int(due)
+            for m, due in await client.zrange(keys.timers(), 0, -1, withscores=True)
+            if m.startswith(f"{run_id}|")
+        },
     )
 
 
@@ -117,6 +123,7 @@ def memory_state(store: MemoryStore, run_id: str, plan: Mapping[str, Any]) -> St
         applied=set(run.applied),
         barriers={b: dict(run.barriers.get(b, {})) for b in barrier_stages(plan)},
         outbox={k: v for k, v in store.outbox.items() if json.loads(v)["run_id"] == run_id},
+        timers={m: due for m, due in store.timers.items() if m.startswith(f"{run_id}|")},
     )
 
 
@@ -128,7 +135,10 @@ def scenario(name: str, context: dict[str, Any], run_id: str, order: str = "fifo
     sim = Sim(plan.plan, plan.digest, run_id=run_id, **kwargs)
     sim.start(context)
     rng = random.Random(run_id)
-    while sim.pending:
+    while sim.pending or sim.store.timers:
+        if not sim.pending or (order == "chaos" and sim.store.timers and rng.random() < 0.1):
+            sim.fire_next_timer()  # time moves on: a retry's backoff ends, a deadline passes
+            continue
         if order == "fifo":
             sim.deliver_at(0)
         elif order == "lifo":
@@ -167,6 +177,8 @@ SCENARIOS = [
     ("thumbnail-batch", {"modelIds": [f"m-{i}" for i in range(9)]}, "chaos", {}),
     ("thumbnail-batch", {"modelIds": []}, "fifo", {}),
     ("thumbnail-batch", {"modelIds": ["a", "b", "c", "d"]}, "chaos", {"fail_items": frozenset({2})}),
+    ("catalogue-reindex", {"index": "books"}, "chaos", {"fail_stages": frozenset({"snapshot"})}),
+    ("catalogue-reindex", {"index": "films"}, "fifo", {}),
 ]
 
 
@@ -312,7 +324,8 @@ def test_an_arrival_after_the_intent_conflicts_and_does_not_count() -> None:
         decided = advance(plan.plan, plan.digest, read, arrival, NOW)
         assert decided.arrival is not None
 
-        failure = task_result(tasks[1], ok=False)
+        # a failure no retry can mend: the map (and the run) fail at once
+        failure = dataclasses.replace(task_result(tasks[1], ok=False), retryable=False)
         assert (
             await store.apply(
                 SHARD,
