@@ -91,7 +91,8 @@ class WorkerRuntime:
         publisher = Publisher(channel, self.signer)
         consumers = []
         for name in self.queues:
-            queue = await channel.get_queue(name, ensure=False)
+            # Declared (passively), so that the robust channel re-subscribes it after a reconnect
+            queue = await channel.declare_queue(name, passive=True)
             tag = await queue.consume(lambda m: self._spawn(m, publisher, pool), no_ack=False)
             consumers.append((queue, tag))
         consumers.append(await self._listen_for_cancellations(channel))

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import aio_pika
 from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractRobustConnection
+from aiormq.exceptions import ChannelInvalidStateError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -122,7 +123,7 @@ class ShardService:
                 log.warning(
                     "shard %s: Redis failed (%s); returning deliveries to the queue and waiting", shard, exc
                 )
-            except (aio_pika.exceptions.AMQPError, ConnectionError) as exc:
+            except (aio_pika.exceptions.AMQPError, ChannelInvalidStateError, ConnectionError) as exc:
                 log.warning("shard %s: broker connection trouble (%s); reconnecting", shard, exc)
                 await asyncio.sleep(1.0)
             except Exception:
@@ -138,7 +139,10 @@ class ShardService:
 
     async def _consume(self, shard: str, channel: AbstractChannel) -> None:
         publisher = Publisher(channel, self.signer)
-        queue = await channel.get_queue(names.shard_queue(shard), ensure=False)
+        # Declared (passively), not just named: the robust channel then re-subscribes this consumer when
+        # it reopens after a reconnect (broker restart, missed heartbeats). A queue taken with
+        # get_queue(ensure=False) is not tracked, and the shard would never consume again.
+        queue = await channel.declare_queue(names.shard_queue(shard), passive=True)
         inbox: asyncio.Queue[AbstractIncomingMessage] = asyncio.Queue()
         tag = await queue.consume(inbox.put, no_ack=False)
         await self._relay(shard, publisher)

@@ -77,6 +77,13 @@ class RedisServer:
             self.process.kill()
             self.process.wait(timeout=10)
 
+    def kill(self) -> None:
+        """kill -9: no shutdown, no final fsync; ``start`` brings it back on the same port and data dir."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.kill()
+        self.process.wait(timeout=10)
+
     def _pings(self) -> bool:
         try:
             with redis.Redis.from_url(self.url, socket_connect_timeout=0.2, socket_timeout=0.2) as client:
