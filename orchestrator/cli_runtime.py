@@ -113,7 +113,7 @@ def orchestrator(shard_class: str | None, shards: str, verbose: bool) -> None:
         connection = await aio_pika.connect_robust(
             _heartbeat_url(settings.amqp_url, settings.amqp_heartbeat_s)
         )
-        client = redis_client(settings)
+        client = redis_client(settings, per_reply_timeout=False)  # each Redis step is bounded instead
         store = RedisStore(client, settings.key_prefix, settings.retention_ms)
         options = ShardOptions(
             prefetch=settings.shard_prefetch,
@@ -121,6 +121,7 @@ def orchestrator(shard_class: str | None, shards: str, verbose: bool) -> None:
             max_message_bytes=settings.max_message_bytes,
             crash_points=frozenset(settings.crash_points),
             poison_after=settings.delivery_limit - 1,
+            redis_timeout_s=settings.redis_timeout_s,
         )
         service = ShardService(
             connection, store, Signer.from_settings(settings.signing_keys), shard_ids, options

@@ -114,15 +114,16 @@ class Settings(BaseSettings):
         )
 
 
-def redis_client(settings: Settings) -> aioredis.Redis:
-    """The async Redis client every saga process uses. Without a socket timeout a connection whose peer
-    vanished without a reset (a partition that drops connection state, an idle-timeout NAT) blocks its
-    await forever: the shard would neither commit nor notice Redis is gone, and would keep its deliveries
-    and its single-active-consumer slot. With one, it is a timeout: Redis is down, and handled as such."""
+def redis_client(settings: Settings, *, per_reply_timeout: bool = True) -> aioredis.Redis:
+    """The async Redis client saga processes use. Without a timeout a connection whose peer vanished
+    without a reset (a partition that drops connection state, an idle-timeout NAT, a hung server) blocks
+    its await forever. Clients get a per-reply socket timeout; the orchestrator, whose every transition
+    would pay for it, passes ``per_reply_timeout=False`` and bounds each of its Redis steps instead
+    (``ShardOptions.redis_timeout_s``)."""
     return aioredis.Redis.from_url(
         settings.redis_url,
         decode_responses=True,
-        socket_timeout=settings.redis_timeout_s,
+        socket_timeout=settings.redis_timeout_s if per_reply_timeout else None,
         socket_connect_timeout=settings.redis_timeout_s,
         socket_keepalive=True,
     )

@@ -144,9 +144,15 @@ class Publisher:
         """Publish and wait for the confirm, retrying transient broker trouble a few times (the same
         message, the same id: a retry is at worst a duplicate, never a new attempt). An unroutable
         message is not transient and raises at once."""
+        try:
+            await self._publish_once(body, message_id, exchange, routing_key, mandatory)
+            return
+        except Exception as exc:  # the common path pays nothing for the retry machinery
+            if not _transient(exc):
+                raise
         async for attempt in AsyncRetrying(
             retry=retry_if_exception(_transient),
-            stop=stop_after_attempt(PUBLISH_ATTEMPTS),
+            stop=stop_after_attempt(PUBLISH_ATTEMPTS - 1),
             wait=wait_exponential(multiplier=0.05, max=1.0),
             reraise=True,
         ):

@@ -36,7 +36,8 @@ from orchestrator.shard.processor import Outcome, Processor
 from orchestrator.store.redis_store import RedisStore
 
 log = logging.getLogger(__name__)
-REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, ConnectionRefusedError, OSError)
+# TimeoutError: a Redis step that outlived ShardOptions.redis_timeout_s (see _redis_step).
+REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, ConnectionRefusedError, OSError, TimeoutError)
 
 
 def now_ms() -> int:
@@ -52,6 +53,11 @@ class ShardOptions:
     relay_min_age_ms: int = 2_000  # younger entries are most likely being published right now
     redis_retry_s: float = 0.5
     timer_poll_s: float = 0.1  # how often the shard looks for due timers (retries, deadlines)
+    # A Redis step (a batch's reads and transitions, a mark-sent, a timer pass) slower than this means
+    # Redis is gone even if no socket said so (a peer that vanished without a reset, a hung server): the
+    # shard returns its deliveries and waits. One deadline per step, not per reply: a per-read socket
+    # timeout on the client measurably slowed every transition.
+    redis_timeout_s: float = 5.0
     # A message whose transition failed on this many earlier deliveries is poison: its run is marked
     # failed and the message dead-lettered now (one below the queue's x-delivery-limit, so we decide,
     # with the reason, before the broker drops it into the dead-letter queue on its own).
@@ -105,7 +111,8 @@ class ShardService:
     async def _wait_for_redis(self) -> None:
         while not self._stopping.is_set():
             try:
-                await self.store.client.ping()  # type: ignore[misc]
+                async with asyncio.timeout(self.options.redis_timeout_s):
+                    await self.store.client.ping()  # type: ignore[misc]
                 return
             except REDIS_DOWN:
                 log.warning("Redis unreachable; not consuming until it is back")
@@ -185,7 +192,8 @@ class ShardService:
                 continue
             valid.append(delivery)
         try:
-            outcomes = await self.processor.handle_batch(shard, [d.envelope for d in valid if d.envelope])
+            async with asyncio.timeout(self.options.redis_timeout_s):
+                outcomes = await self.processor.handle_batch(shard, [d.envelope for d in valid if d.envelope])
             for delivery, outcome in zip(valid, outcomes, strict=True):
                 delivery.outcome = outcome
         except REDIS_DOWN:
@@ -195,7 +203,8 @@ class ShardService:
             groups: dict[str, list[_Delivery]] = {}
             for delivery in valid:
                 groups.setdefault(delivery.envelope.run_id if delivery.envelope else "", []).append(delivery)
-            await asyncio.gather(*(self._run_group(shard, group) for group in groups.values()))
+            async with asyncio.timeout(self.options.redis_timeout_s):
+                await asyncio.gather(*(self._run_group(shard, group) for group in groups.values()))
         await self._settle(shard, deliveries, publisher)
 
     async def _continue_locally(
@@ -213,7 +222,8 @@ class ShardService:
                 break
             outgoing = [m for m in outgoing if m not in local]
             envelopes = [envelope_for(m, self.signer, self.clock_ms()) for m in local]
-            outcomes = await self.processor.handle_batch(shard, envelopes)
+            async with asyncio.timeout(self.options.redis_timeout_s):
+                outcomes = await self.processor.handle_batch(shard, envelopes)
             done += [m.message_id for m in local]
             outgoing += [m for o in outcomes for m in o.publish]
         return outgoing, done
@@ -243,7 +253,8 @@ class ShardService:
         confirmed = await self._publish(publisher, outgoing)
         if confirmed:
             crash(self.options, "after-confirm")
-        await self.store.mark_sent(shard, confirmed + done_locally)
+        async with asyncio.timeout(self.options.redis_timeout_s):
+            await self.store.mark_sent(shard, confirmed + done_locally)
         if passing_on:
             await self._pass_on(shard, deliveries, publisher)
             await self._ack(shard, deliveries)
@@ -310,19 +321,21 @@ class ShardService:
         """Fire the shard's due timers. Every process serving the shard does this (a standby too): each
         firing is a transition that claims its timer, so a timer acts once whoever fires it."""
         outgoing: list[Outgoing] = []
-        for member in await self.store.due_timers(shard, self.clock_ms()):
-            try:
-                outgoing += (await self.processor.fire_timer(shard, member)).publish
-            except REDIS_DOWN:
-                raise
-            except Exception:  # a bug: keep the shard going; the timer stays and is tried again
-                log.exception("shard %s: firing timer %s failed", shard, member)
+        async with asyncio.timeout(self.options.redis_timeout_s):
+            for member in await self.store.due_timers(shard, self.clock_ms()):
+                try:
+                    outgoing += (await self.processor.fire_timer(shard, member)).publish
+                except REDIS_DOWN:
+                    raise
+                except Exception:  # a bug: keep the shard going; the timer stays and is tried again
+                    log.exception("shard %s: firing timer %s failed", shard, member)
         if not outgoing:
             return
         crash(self.options, "after-commit")
         outgoing, done_locally = await self._continue_locally(shard, outgoing)
         confirmed = await publisher.publish_all(outgoing, self.clock_ms())
-        await self.store.mark_sent(shard, confirmed + done_locally)
+        async with asyncio.timeout(self.options.redis_timeout_s):
+            await self.store.mark_sent(shard, confirmed + done_locally)
 
     async def _reconcile(self, shard: str, publisher: Publisher) -> None:
         reconciler = Reconciler(
@@ -338,7 +351,8 @@ class ShardService:
 
     async def _relay(self, shard: str, publisher: Publisher) -> None:
         """Re-publish outbox entries committed but never confirmed (a crash between commit and publish)."""
-        entries = await self.store.outbox(shard)
+        async with asyncio.timeout(self.options.redis_timeout_s):
+            entries = await self.store.outbox(shard)
         cutoff = self.clock_ms() - self.options.relay_min_age_ms
         stale = [outgoing_from_payload(p) for p in entries.values() if int(p.get("at", 0)) <= cutoff]
         if not stale:
