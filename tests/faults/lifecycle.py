@@ -164,3 +164,22 @@ def broker_restarted(down_s: float) -> Iterator[float]:
         time.sleep(max(0.0, went_down + down_s - time.monotonic()))
     finally:
         start_broker()
+
+
+def serve(stack: Stack) -> None:
+    """Start the stack's orchestrator and worker and wait until every shard and task queue is consumed."""
+    stack.start_orchestrator()
+    stack.start_worker()
+    wait_until_consuming(stack, is_shard_queue)
+    wait_until_consuming(stack, is_task_queue)
+
+
+def load_in_flight(stack: Stack, run_ids: list[str], finished_first: int) -> None:
+    """Wait until ``finished_first`` runs have finished, so that a fault finds runs at every stage
+    (finished, mid-way, not created yet)."""
+    poll(
+        lambda: terminal_count(stack, run_ids) >= finished_first,
+        60,
+        interval_s=0.02,
+        what=f"{finished_first} runs to finish before the fault",
+    )

@@ -38,6 +38,8 @@ from tests.faults.lifecycle import (
     consumer_counts,
     is_shard_queue,
     is_task_queue,
+    load_in_flight,
+    serve,
     terminal_count,
     wait_until_consuming,
 )
@@ -51,15 +53,6 @@ DURING = 10
 RECONNECT_S = 60.0  # liveness bounds, far above what a reconnect or a recovery takes; not timing claims
 CONVERGE_S = 90.0
 MAIN_REDIS = "redis://127.0.0.1:6379/0"
-
-
-def load_in_flight(stack: Stack, work_ids: list[str], finished_first: int) -> None:
-    poll(
-        lambda: terminal_count(stack, work_ids) >= finished_first,
-        60,
-        interval_s=0.02,
-        what=f"{finished_first} runs to finish before the fault",
-    )
 
 
 # ---- RabbitMQ -----------------------------------------------------------------------------------------
@@ -76,10 +69,7 @@ def test_a_broker_restart_under_load_reconnects_and_every_run_converges(fault_se
     stack = Stack("broker-restart")
     try:
         stack.setup()
-        stack.start_orchestrator()
-        stack.start_worker()
-        wait_until_consuming(stack, is_shard_queue)
-        wait_until_consuming(stack, is_task_queue)
+        serve(stack)
         work = mixed_workload(stack, rng, runs=RUNS, during=DURING, bag_items=rng.randint(150, 250))
         start_all(stack.settings, work.before)
         load_in_flight(stack, work.run_ids, rng.randint(1, (RUNS - DURING) // 2))

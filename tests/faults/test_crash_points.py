@@ -30,13 +30,12 @@ from tests.faults.harness import (
 )
 from tests.faults.invariants import assert_no_violations
 from tests.faults.lifecycle import (
-    is_shard_queue,
-    is_task_queue,
+    load_in_flight,
+    serve,
     terminal_count,
     wait_for_crash,
-    wait_until_consuming,
 )
-from tests.integration.stack import Stack, poll
+from tests.integration.stack import Stack
 
 pytestmark = pytest.mark.services
 
@@ -77,21 +76,12 @@ def test_a_crash_at_a_named_point_under_load_loses_and_repeats_nothing(
     stack = Stack(f"crash-{point}")
     try:
         stack.setup()
-        stack.start_orchestrator()
-        stack.start_worker()
-        wait_until_consuming(stack, is_shard_queue)
-        wait_until_consuming(stack, is_task_queue)
+        serve(stack)
         work = mixed_workload(stack, rng, runs=RUNS, during=DURING, bag_items=rng.randint(150, 250))
         # Given a load in flight: the crash comes once a seeded number of runs have finished, so that it
         # finds runs at every stage (finished, mid-way, not created yet) and the bag part-way
         start_all(stack.settings, work.before)
-        finished_first = rng.randint(1, (RUNS - DURING) // 2)
-        poll(
-            lambda: terminal_count(stack, work.run_ids) >= finished_first,
-            60,
-            interval_s=0.02,
-            what=f"{finished_first} runs to finish before the crash",
-        )
+        load_in_flight(stack, work.run_ids, rng.randint(1, (RUNS - DURING) // 2))
         # When the role's healthy process hands over (SIGTERM drains it) to one that crashes at the point,
         # and services keep starting runs meanwhile (so work waits for it whatever the timing)
         assert stack.stop(role, signal.SIGTERM) == 0, log_tail(stack, role)

@@ -29,6 +29,7 @@ from tests.faults.lifecycle import (
     consumer_counts,
     is_shard_queue,
     is_task_queue,
+    load_in_flight,
     named_amqp_url,
     terminal_count,
     unacked_by_connection,
@@ -117,13 +118,7 @@ def test_a_paused_active_orchestrator_loses_to_its_standby_and_its_late_writes_c
         wait_until_consuming(stack, is_task_queue)
         work = mixed_workload(stack, rng, runs=RUNS, during=DURING, bag_items=rng.randint(150, 250))
         start_all(stack.settings, work.before)
-        finished_first = rng.randint(1, (RUNS - DURING) // 2)
-        poll(
-            lambda: terminal_count(stack, work.run_ids) >= finished_first,
-            60,
-            interval_s=0.02,
-            what=f"{finished_first} runs to finish before the pause",
-        )
+        load_in_flight(stack, work.run_ids, rng.randint(1, (RUNS - DURING) // 2))
 
         # When the active orchestrator freezes with deliveries in its hands
         frozen = stack.processes["first"].pid
