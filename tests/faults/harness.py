@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import random
 import shutil
-import socket
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -24,72 +22,8 @@ import redis
 from orchestrator.client import SyncClient, run_id_for
 from orchestrator.settings import Settings
 from tests.faults.proxy import FaultProxy
+from tests.integration.own_redis import RedisServer
 from tests.integration.stack import Stack, poll
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
-class RedisServer:
-    """A redis-server on a free loopback port, persisting like production (AOF, fsync on every write)."""
-
-    def __init__(self, folder: Path) -> None:
-        self.folder = folder
-        self.port = free_port()
-        self.process: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        self.process = subprocess.Popen(
-            [
-                "redis-server",
-                "--bind",
-                "127.0.0.1",
-                "--port",
-                str(self.port),
-                "--dir",
-                str(self.folder),
-                "--appendonly",
-                "yes",
-                "--appendfsync",
-                "always",
-                "--save",
-                "",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        poll(self._pings, 10, what=f"redis-server on port {self.port}")
-
-    def stop(self) -> None:
-        if self.process is None or self.process.poll() is not None:
-            return
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait(timeout=10)
-
-    def kill(self) -> None:
-        """kill -9: no shutdown, no final fsync; ``start`` brings it back on the same port and data dir."""
-        if self.process is None or self.process.poll() is not None:
-            return
-        self.process.kill()
-        self.process.wait(timeout=10)
-
-    def _pings(self) -> bool:
-        try:
-            with redis.Redis.from_url(self.url, socket_connect_timeout=0.2, socket_timeout=0.2) as client:
-                return bool(client.ping())
-        except redis.RedisError:
-            return False
 
 
 @contextmanager

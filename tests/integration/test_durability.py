@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -18,18 +17,13 @@ import redis
 
 from orchestrator.durability import DurabilityRefused, Role, Verdict, check_startup, gather
 from orchestrator.settings import DEVELOPMENT_SIGNING_KEY, Settings
+from tests.integration.own_redis import free_port
 from tests.integration.stack import ROOT, poll
 
 pytestmark = pytest.mark.services
 
 OWN_KEY = "k1:" + "a-production-secret-of-our-own-0123"
 NO_BROKER = "amqp://guest:guest@127.0.0.1:1/"  # a refusal must come before any broker is needed
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def _answers(url: str) -> bool:

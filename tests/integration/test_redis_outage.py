@@ -9,76 +9,24 @@ messages), and every run must complete once Redis is back.
 from __future__ import annotations
 
 import shutil
-import socket
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import redis
 
 from orchestrator.client import SyncClient
-from tests.integration.stack import Stack, poll
+from tests.integration.own_redis import RedisServer
+from tests.integration.stack import Stack
 
 pytestmark = pytest.mark.services
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
-class OwnRedis:
-    def __init__(self, folder: Path) -> None:
-        self.folder = folder
-        self.port = free_port()
-        self.process: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        self.process = subprocess.Popen(
-            [
-                "redis-server",
-                "--bind",
-                "127.0.0.1",
-                "--port",
-                str(self.port),
-                "--dir",
-                str(self.folder),
-                "--appendonly",
-                "yes",
-                "--appendfsync",
-                "always",
-                "--save",
-                "",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        poll(self._pings, 10, what=f"redis-server on port {self.port}")
-
-    def kill(self) -> None:
-        assert self.process is not None
-        self.process.kill()
-        self.process.wait(timeout=10)
-
-    def _pings(self) -> bool:
-        try:
-            return bool(redis.Redis.from_url(self.url, socket_connect_timeout=0.2).ping())
-        except redis.RedisError:
-            return False
-
-
 @pytest.fixture
-def own_redis(tmp_path: Path) -> Iterator[OwnRedis]:
+def own_redis(tmp_path: Path) -> Iterator[RedisServer]:
     if shutil.which("redis-server") is None:
         pytest.fail("redis-server is not installed; the services tests need it")
-    server = OwnRedis(tmp_path)
+    server = RedisServer(tmp_path)
     server.start()
     try:
         yield server
@@ -87,7 +35,7 @@ def own_redis(tmp_path: Path) -> Iterator[OwnRedis]:
             server.kill()
 
 
-def test_runs_survive_a_redis_outage_without_dead_lettering(own_redis: OwnRedis) -> None:
+def test_runs_survive_a_redis_outage_without_dead_lettering(own_redis: RedisServer) -> None:
     stack = Stack("redis-outage", redis_url=own_redis.url)
     stack.setup()
     try:
