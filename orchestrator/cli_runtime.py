@@ -367,19 +367,8 @@ def redrive(
 
 
 async def _failed_runs(settings: Settings, definition: str | None) -> list[str]:
-    client = redis_client(settings)
-    try:
-        store = RedisStore(client, settings.key_prefix)
-        found = []
-        for shard in names.parse_shards("", settings.shard_classes, settings.shard_count):
-            keys = store.keys(shard)
-            for one in await store.run_ids(shard):
-                status, name = await client.hmget(keys.run(one), ["status", "definition"])  # type: ignore[misc]
-                if status == "failed" and (definition is None or name == definition):
-                    found.append(one)
-        return found
-    finally:
-        await client.aclose()
+    found = await _list_runs(settings, "failed")
+    return [r["run_id"] for r in found if definition is None or r["definition"] == definition]
 
 
 @click.command()
@@ -466,42 +455,41 @@ def history(run_id: str, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def runs(state: str | None, as_json: bool) -> None:
     """List runs (all shards), newest first."""
-    settings = _settings()
-    shard_ids = names.parse_shards("", settings.shard_classes, settings.shard_count)
-
-    async def go() -> list[dict[str, Any]]:
-        client = redis_client(settings)
-        try:
-            found = []
-            for shard in shard_ids:
-                keys = ShardKeys(settings.key_prefix, shard)
-                run_ids = await client.zrange(keys.runs(), 0, -1)
-                async with client.pipeline(transaction=False) as pipe:  # one round trip per shard
-                    for run_id in run_ids:
-                        pipe.hmget(keys.run(run_id), ["definition", "status", "created_at"])
-                    rows = await pipe.execute()
-                for run_id, (definition, status, created_at) in zip(run_ids, rows, strict=True):
-                    if status is None or (state and status != state):
-                        continue  # expired, or not the state asked for
-                    found.append(
-                        {
-                            "run_id": run_id,
-                            "definition": definition,
-                            "state": status,
-                            "created_at": int(created_at or 0),
-                            "shard": shard,
-                        }
-                    )
-            return sorted(found, key=lambda r: -r["created_at"])
-        finally:
-            await client.aclose()
-
-    found = _run(go())
+    found = _run(_list_runs(_settings(), state))
     if as_json:
         _emit(found)
         return
     for r in found:
         click.echo(f"{r['run_id']}  {r['definition']:<20} {r['state']:<10} {r['shard']}")
+
+
+async def _list_runs(settings: Settings, state: str | None) -> list[dict[str, Any]]:
+    """Runs on every shard (in ``state``, if given), newest first: one pipelined read per shard."""
+    client = redis_client(settings)
+    try:
+        found = []
+        for shard in names.parse_shards("", settings.shard_classes, settings.shard_count):
+            keys = ShardKeys(settings.key_prefix, shard)
+            run_ids = await client.zrange(keys.runs(), 0, -1)
+            async with client.pipeline(transaction=False) as pipe:
+                for run_id in run_ids:
+                    pipe.hmget(keys.run(run_id), ["definition", "status", "created_at"])
+                rows = await pipe.execute()
+            for run_id, (definition, status, created_at) in zip(run_ids, rows, strict=True):
+                if status is None or (state and status != state):
+                    continue  # expired, or not the state asked for
+                found.append(
+                    {
+                        "run_id": run_id,
+                        "definition": definition,
+                        "state": status,
+                        "created_at": int(created_at or 0),
+                        "shard": shard,
+                    }
+                )
+        return sorted(found, key=lambda r: -r["created_at"])
+    finally:
+        await client.aclose()
 
 
 def _clock(at_ms: int) -> str:

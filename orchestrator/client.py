@@ -210,22 +210,27 @@ class Client:
         self, definition: str, context: Mapping[str, Any], idempotency_key: str | None = None
     ) -> str:
         """Start a run of the active version of ``definition``; returns its run id at once."""
-        if self._channel is None:
-            raise SagaError("the client is not connected; use 'async with Client(settings) as client'")
         plan = await self._plan_of(definition)
         run_id = run_id_for(definition, idempotency_key)
         envelope = start_envelope(self.signer, run_id, definition, plan.digest, context)
-        exchange = await self._channel.get_exchange(names.start_exchange(plan.shard_class), ensure=False)
+        await self._publish(envelope, names.start_exchange(plan.shard_class), run_id)
+        return run_id
+
+    async def _publish(self, envelope: Envelope, exchange_name: str, routing_key: str) -> None:
+        """Publish with a confirm and ``mandatory``: returns once the broker has it, raises if it cannot
+        be routed."""
+        if self._channel is None:
+            raise SagaError("the client is not connected; use 'async with Client(settings) as client'")
+        exchange = await self._channel.get_exchange(exchange_name, ensure=False)
         await exchange.publish(
             aio_pika.Message(
                 encode(envelope),
                 message_id=envelope.message_id,
                 delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
             ),
-            routing_key=run_id,
+            routing_key=routing_key,
             mandatory=True,
         )
-        return run_id
 
     async def cancel(self, run_id: str, reason: str = "", requested_by: str = "") -> None:
         """Ask the run's shard to cancel the run: a failed intent with reason ``cancelled``, its active
@@ -240,8 +245,6 @@ class Client:
         await self._request(Kind.REDRIVE, run_id, reason, requested_by)
 
     async def _request(self, kind: Kind, run_id: str, reason: str, requested_by: str) -> None:
-        if self._channel is None:
-            raise SagaError("the client is not connected; use 'async with Client(settings) as client'")
         shard = await self.redis.get(index_key(self.settings.key_prefix, run_id))
         if shard is None:
             raise RunNotFound(run_id)
@@ -255,16 +258,7 @@ class Client:
                 body={"reason": reason, "requested_by": requested_by},
             )
         )
-        exchange = await self._channel.get_exchange(names.RUNS_EXCHANGE, ensure=False)
-        await exchange.publish(
-            aio_pika.Message(
-                encode(envelope),
-                message_id=envelope.message_id,
-                delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
-            ),
-            routing_key=str(shard),
-            mandatory=True,
-        )
+        await self._publish(envelope, names.RUNS_EXCHANGE, str(shard))
 
     async def status(self, run_id: str) -> dict[str, Any]:
         shard = await self.redis.get(index_key(self.settings.key_prefix, run_id))

@@ -18,11 +18,13 @@ the first two for the shards it serves, periodically.
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 from orchestrator.bus.publisher import Publisher, outgoing_from_payload
+from orchestrator.engine.model import Outgoing
 from orchestrator.shard.processor import Processor
 from orchestrator.store.keys import index_key
 from orchestrator.store.redis_store import RedisStore
@@ -48,6 +50,15 @@ class Report:
             getattr(self, name).extend(value)
 
 
+async def publish_and_mark(
+    store: RedisStore, publisher: Publisher, shard: str, messages: list[Outgoing], now_ms: int
+) -> list[str]:
+    """Publish outbox messages and mark the confirmed ones sent; returns their ids."""
+    confirmed = await publisher.publish_all(messages, now_ms)
+    await store.mark_sent(shard, confirmed)
+    return confirmed
+
+
 @dataclass
 class Reconciler:
     store: RedisStore
@@ -55,26 +66,41 @@ class Reconciler:
     publisher: Publisher | None  # None: report only
     min_age_ms: int = 60_000
     stranded_after_ms: int = 600_000
+    redis_timeout_s: float | None = None  # bound each Redis read (the orchestrator's own passes)
 
     async def shard(self, shard: str, now_ms: int, *, dry_run: bool) -> Report:
-        report = Report()
-        await self._outbox(shard, now_ms, dry_run, report)
-        await self._stranded(shard, now_ms, dry_run, report)
+        entries = await self._entries(shard)
+        report = await self.outbox(shard, now_ms, dry_run=dry_run, entries=entries)
+        report.merge(await self.stranded(shard, now_ms, dry_run=dry_run, entries=entries))
         return report
 
-    async def _outbox(self, shard: str, now_ms: int, dry_run: bool, report: Report) -> None:
-        entries = await self.store.outbox(shard)
-        old = [p for p in entries.values() if int(p.get("at", 0)) <= now_ms - self.min_age_ms]
-        report.unsent += [str(p["id"]) for p in old]
-        if dry_run or not old or self.publisher is None:
-            return
-        confirmed = await self.publisher.publish_all([outgoing_from_payload(p) for p in old], now_ms)
-        await self.store.mark_sent(shard, confirmed)
-        report.republished += confirmed
+    async def _entries(self, shard: str) -> dict[str, dict[str, Any]]:
+        async with asyncio.timeout(self.redis_timeout_s):
+            return await self.store.outbox(shard)
 
-    async def _stranded(self, shard: str, now_ms: int, dry_run: bool, report: Report) -> None:
-        waiting = await self._waiting_runs(shard)
-        for run_id in await self._quiet_active_runs(shard, now_ms):
+    async def outbox(
+        self, shard: str, now_ms: int, *, dry_run: bool, entries: dict[str, dict[str, Any]] | None = None
+    ) -> Report:
+        """Unsent outbox entries older than ``min_age_ms``: re-published, then marked sent."""
+        report = Report()
+        found = entries if entries is not None else await self._entries(shard)
+        old = [p for p in found.values() if int(p.get("at", 0)) <= now_ms - self.min_age_ms]
+        report.unsent += [str(p["id"]) for p in old]
+        if not dry_run and old and self.publisher is not None:
+            messages = [outgoing_from_payload(p) for p in old]
+            report.republished += await publish_and_mark(self.store, self.publisher, shard, messages, now_ms)
+        return report
+
+    async def stranded(
+        self, shard: str, now_ms: int, *, dry_run: bool, entries: dict[str, dict[str, Any]] | None = None
+    ) -> Report:
+        """Active runs with nothing on its way to them and a quiet history: nudged."""
+        report = Report()
+        found = entries if entries is not None else await self._entries(shard)
+        async with asyncio.timeout(self.redis_timeout_s):
+            waiting = {str(p.get("run_id", "")) for p in found.values()} | await self.store.timer_runs(shard)
+            quiet = await self._quiet_active_runs(shard, now_ms)
+        for run_id in quiet:
             if run_id in waiting:
                 continue
             report.stranded.append(run_id)
@@ -82,17 +108,9 @@ class Reconciler:
                 continue
             outcome = await self.processor.nudge(shard, run_id, f"nudge-{uuid.uuid4().hex}")
             if outcome.publish:
-                confirmed = await self.publisher.publish_all(outcome.publish, now_ms)
-                await self.store.mark_sent(shard, confirmed)
+                await publish_and_mark(self.store, self.publisher, shard, outcome.publish, now_ms)
                 report.nudged.append(run_id)
-
-    async def _waiting_runs(self, shard: str) -> set[str]:
-        """Runs with an unsent outbox entry or a timer: something is already on its way to them."""
-        keys = self.store.keys(shard)
-        waiting = {str(p.get("run_id", "")) for p in (await self.store.outbox(shard)).values()}
-        members = await self.store.client.zrange(keys.timers(), 0, -1)
-        waiting |= {(m.decode() if isinstance(m, bytes) else str(m)).rsplit("|", 3)[0] for m in members}
-        return waiting
+        return report
 
     async def _quiet_active_runs(self, shard: str, now_ms: int) -> list[str]:
         """Running or finalising runs whose history has been quiet for ``stranded_after_ms``."""

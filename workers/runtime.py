@@ -79,7 +79,6 @@ class WorkerRuntime:
     _inflight: set[asyncio.Task[None]] = field(default_factory=set)
     _acks: AckCoalescer = field(default_factory=AckCoalescer)
     _running: dict[AttemptKey, tuple[asyncio.Future[Any], TaskContext]] = field(default_factory=dict)
-    _cancelled: set[AttemptKey] = field(default_factory=set)
 
     def stop(self) -> None:
         self._stopping.set()
@@ -128,7 +127,6 @@ class WorkerRuntime:
             return  # not ours, or already finished
         future, context = running
         log.info("cancelling %s of run %s (fence %s) as requested", key[1], key[0], key[2])
-        self._cancelled.add(key)
         context.cancelled.set()
         future.cancel()
 
@@ -250,12 +248,11 @@ class WorkerRuntime:
         try:
             return await future
         except asyncio.CancelledError:
-            if key in self._cancelled:
+            if context.cancelled.is_set():
                 raise _Cancelled from None
             raise  # the worker itself is being cancelled
         finally:
             self._running.pop(key, None)
-            self._cancelled.discard(key)
 
     def _result(self, task: Envelope, outcome: Outcome) -> bytes:
         body: dict[str, Any]

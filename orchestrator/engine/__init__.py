@@ -24,6 +24,7 @@ from typing import Any
 from orchestrator.engine import ids, liveness, redrive
 from orchestrator.engine.model import (
     ACTIVE_STAGE_STATUSES,
+    FENCED_OFF,
     RUN,
     Arrival,
     BarrierReleased,
@@ -54,8 +55,6 @@ from orchestrator.engine.step import Step, context_problems, dumps, rejected
 __all__ = ["advance"]
 
 WORK_STAGE_TYPES = frozenset({"action", "worker", "map"})
-# An attempt the orchestrator gave up on: a worker's report about it only acknowledges the cancellation.
-FENCED_OFF = frozenset({StageStatus.CANCELLED, StageStatus.TIMED_OUT})
 
 
 def advance(
@@ -145,7 +144,7 @@ def _stage_result(step: Step, event: StageResult) -> Decision:
         return rejected(
             Verdict.DUPLICATE, f"the attempt is already {rec.status.value}", event.stage, event.attempt
         )
-    _guard_stage(step, event.stage, rec)
+    step.guard(event.stage, rec)
     if event.ok:
         step.set_stage(
             event.stage,
@@ -167,13 +166,6 @@ def _stage_result(step: Step, event: StageResult) -> Decision:
     return step.decision()
 
 
-def _guard_stage(step: Step, name: str, rec: StageRecord) -> None:
-    """The transition holds only while the attempt is the one we read and the run has no intent."""
-    step.expect(Key("stage", name), "fence", rec.fence)
-    step.expect(Key("stage", name), "status", rec.status.value)
-    step.expect(RUN, "intent", None)
-
-
 def _map_item(step: Step, stage: Mapping[str, Any], rec: StageRecord, event: StageResult) -> Decision:
     if rec.status not in ACTIVE_STAGE_STATUSES:
         return rejected(
@@ -188,7 +180,7 @@ def _map_item(step: Step, stage: Mapping[str, Any], rec: StageRecord, event: Sta
     item_key = Key("item", f"{event.stage}:{event.item}")
     step.expect(item_key, "attempt", None if current == 1 else str(current))
     if not event.ok:
-        _guard_stage(step, event.stage, rec)
+        step.guard(event.stage, rec)
         step.absent.append((Key("barrier", event.stage), str(event.item)))  # an item that arrived stays
         error = f"item {event.item}: {event.error}"
         step.record("stage.failed", event.stage, current, item=event.item, error=event.error)
@@ -222,7 +214,7 @@ def _barrier_released(step: Step, event: BarrierReleased) -> Decision:
         return rejected(Verdict.STALE, f"fence {event.fence} is not the current {rec.fence}", event.stage)
     if rec.status not in ACTIVE_STAGE_STATUSES:
         return rejected(Verdict.DUPLICATE, f"the barrier is already {rec.status.value}", event.stage)
-    _guard_stage(step, event.stage, rec)
+    step.guard(event.stage, rec)
     result = run.map_results.get(event.stage) if stage["type"] == "map" else None
     done_at = step.done_at(stage)
     step.set_stage(

@@ -15,6 +15,7 @@ from typing import Any
 from orchestrator.engine import clocks, ids
 from orchestrator.engine.model import (
     ACTIVE_STAGE_STATUSES,
+    FENCED_OFF,
     RUN,
     CancelRun,
     Clock,
@@ -31,8 +32,6 @@ from orchestrator.engine.model import (
     Verdict,
 )
 from orchestrator.engine.step import Step, rejected
-
-FENCED_OFF = frozenset({StageStatus.CANCELLED, StageStatus.TIMED_OUT})
 
 
 def _attempt_problem(step: Step, stage: str, fence: str) -> tuple[Verdict, str] | None:
@@ -58,24 +57,23 @@ def _recancel(step: Step, stage: str, fence: str, cause: str) -> None:
 
 
 def accepted(step: Step, event: StageAccepted) -> Decision:
+    """The attempt started: its queue clock stops, its execution and heartbeat clocks start. The id of an
+    acceptance is a function of the attempt, so a redelivered task's second acceptance is a duplicate."""
     problem = _attempt_problem(step, event.stage, event.fence)
     if problem is not None:
-        decision = rejected(problem[0], problem[1], event.stage, event.attempt)
         _recancel(step, event.stage, event.fence, event.message_id)
-        return _with_outgoing(decision, step)
+        return step.reject(problem[0], problem[1], event.stage, event.attempt)
     rec = step.run.stages[event.stage]
+    if rec.status is StageStatus.RUNNING:  # our acceptances repeat their id; another sender's might not
+        return step.reject(Verdict.DUPLICATE, "the attempt was already accepted", event.stage, event.attempt)
     stage = step.plan["stages"][event.stage]
-    if rec.status is StageStatus.RUNNING:  # another worker took a redelivered task: it is alive now
-        _start_heartbeat_clock(step, event.stage, stage, rec.fence)
-        step.record("stage.accepted", event.stage, rec.attempt, again=True)
-    else:
-        step.set_stage(event.stage, StageRecord(StageStatus.RUNNING, rec.attempt, rec.fence))
-        step.clear_timer(Clock.QUEUE, event.stage, rec.fence)
-        if stage.get("execution_deadline_ms"):
-            step.set_timer(Clock.EXECUTION, event.stage, rec.fence, stage["execution_deadline_ms"])
-        _start_heartbeat_clock(step, event.stage, stage, rec.fence)
-        step.record("stage.accepted", event.stage, rec.attempt)
-    _guard(step, event.stage, rec)
+    step.guard(event.stage, rec)
+    step.set_stage(event.stage, StageRecord(StageStatus.RUNNING, rec.attempt, rec.fence))
+    step.clear_timer(Clock.QUEUE, event.stage, rec.fence)
+    if stage.get("execution_deadline_ms"):
+        step.set_timer(Clock.EXECUTION, event.stage, rec.fence, stage["execution_deadline_ms"])
+    _start_heartbeat_clock(step, event.stage, stage, rec.fence)
+    step.record("stage.accepted", event.stage, rec.attempt)
     return step.decision()
 
 
@@ -83,24 +81,18 @@ def heartbeat(step: Step, event: StageHeartbeat) -> Decision:
     """Moves the heartbeat deadline; nothing in history (a long task beats often), nothing remembered."""
     step.remember = False
     problem = _attempt_problem(step, event.stage, event.fence)
-    rec = step.run.stages.get(event.stage)
-    if problem is not None or rec is None:
+    if problem is not None:
         _recancel(step, event.stage, event.fence, event.message_id)  # the heartbeat's reply: stop
-        return step.decision(problem[0] if problem else Verdict.INVALID)
+        return step.decision(problem[0])
+    rec = step.run.stages[event.stage]
+    step.guard(event.stage, rec)
     _start_heartbeat_clock(step, event.stage, step.plan["stages"][event.stage], rec.fence)
-    _guard(step, event.stage, rec)
     return step.decision()
 
 
 def _start_heartbeat_clock(step: Step, name: str, stage: Mapping[str, Any], fence: str) -> None:
     if stage.get("heartbeat_timeout_ms"):
         step.set_timer(Clock.HEARTBEAT, name, fence, stage["heartbeat_timeout_ms"])
-
-
-def _guard(step: Step, name: str, rec: StageRecord) -> None:
-    step.expect(Key("stage", name), "fence", rec.fence)
-    step.expect(Key("stage", name), "status", rec.status.value)
-    step.expect(RUN, "intent", None)
 
 
 def timer_fired(step: Step, event: TimerFired) -> Decision:
@@ -118,12 +110,12 @@ def timer_fired(step: Step, event: TimerFired) -> Decision:
     if event.clock is Clock.RETRY:
         if rec.status is not StageStatus.RETRY_SCHEDULED:
             return step.decision(Verdict.STALE)
-        _guard(step, event.stage, rec)
+        step.guard(event.stage, rec)
         step.dispatch(event.stage, stage, rec.attempt + 1)
         return step.decision()
     if rec.status not in _WATCHED_BY[event.clock]:
         return step.decision(Verdict.STALE)
-    _guard(step, event.stage, rec)
+    step.guard(event.stage, rec)
     _time_out(step, event, stage, rec)
     return step.decision()
 
@@ -136,7 +128,7 @@ def _item_retry(step: Step, event: TimerFired) -> Decision:
     live = rec is not None and rec.fence == event.fence and rec.status in ACTIVE_STAGE_STATUSES
     if rec is None or not live or attempt is None or step.run.intent is not None or not item_text.isdigit():
         return step.decision(Verdict.STALE)
-    _guard(step, name, rec)
+    step.guard(name, rec)
     step.expect(Key("item", f"{name}:{item_text}"), "attempt", str(attempt))
     step.dispatch_item(name, step.plan["stages"][name], rec, int(item_text), attempt)
     return step.decision()
@@ -205,9 +197,3 @@ def nudge(step: Step, event: Nudge) -> Decision:
         return rejected(Verdict.INVALID, "nothing to re-send: no attempt is waiting on a worker", None)
     step.record("run.nudged", resent=[m.message_id for m in step.outgoing])
     return step.decision()
-
-
-def _with_outgoing(decision: Decision, step: Step) -> Decision:
-    if not step.outgoing:
-        return decision
-    return Decision(verdict=decision.verdict, history=decision.history, outgoing=tuple(step.outgoing))

@@ -35,6 +35,9 @@ class StageStatus(StrEnum):
 
 
 ACTIVE_STAGE_STATUSES = frozenset({StageStatus.DISPATCHED, StageStatus.RUNNING})
+# An attempt the orchestrator gave up on (its run failed, or it timed out): a worker's report about it is
+# late, or acknowledges the cancellation.
+FENCED_OFF = frozenset({StageStatus.CANCELLED, StageStatus.TIMED_OUT})
 
 
 class Intent(StrEnum):

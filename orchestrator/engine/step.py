@@ -96,6 +96,18 @@ class Step:
             fields["done_at"] = str(record.completed_at)
         self.write(Key("stage", name), **fields)
 
+    def guard(self, name: str, rec: StageRecord) -> None:
+        """The transition holds only while the attempt is the one we read and the run has no intent."""
+        self.expect(Key("stage", name), "fence", rec.fence)
+        self.expect(Key("stage", name), "status", rec.status.value)
+        self.expect(RUN, "intent", None)
+
+    def reject(self, verdict: Verdict, why: str, stage: str | None, attempt: int | None = None) -> Decision:
+        """An event that changes the run in nothing: recorded with its reason (plus whatever messages this
+        step already decided to send, such as a repeated cancellation)."""
+        self.history.append(rejection(verdict, why, stage, attempt))
+        return self.decision(verdict)
+
     def stage(self, name: str) -> StageRecord | None:
         return self.overlay.get(name) or self.run.stages.get(name)
 
@@ -336,32 +348,40 @@ class Step:
         *,
         item: int | None = None,
     ) -> None:
+        self.outgoing.append(self._stage_task(name, stage, attempt, fence, payload, item))
+
+    def _stage_task(
+        self, name: str, stage: Mapping[str, Any], attempt: int, fence: str, payload: Any, item: int | None
+    ) -> Outgoing:
         report = None
         if item is None and clocks.needs_acceptance(stage):
             # the worker reports acceptance, and heartbeats at a third of the timeout
             report = {"accept": True, "heartbeat_ms": stage.get("heartbeat_timeout_ms")}
+        # A stage task's id names its item (empty for a single task), and the item's attempt once it is
+        # retried, as a map keeps its fence while its items retry.
+        id_part = "" if item is None else (item if attempt == 1 else f"{item}@{attempt}")
         ref = stage.get("action") or stage["worker"]
-        self.outgoing.append(self.task(name, ref, attempt, fence, payload, item=item, report=report))
+        return self.task(
+            name, ref, stage["queue"], attempt, fence, payload, item=item, id_parts=(id_part,), report=report
+        )
 
     def task(
         self,
         label: str,
         ref: str,
+        queue: str,
         attempt: int,
         fence: str,
         payload: Any,
         *,
         item: int | None = None,
+        id_parts: tuple[object, ...] = (),
         report: dict[str, Any] | None = None,
     ) -> Outgoing:
-        """A task message for contract ``ref``: its id is a pure function of run, label, fence and item, so
-        building it again (a relay, a nudge) gives the same message, and it is the idempotency key."""
-        # stage tasks name their item (empty for a single task; with its attempt once an item is retried,
-        # as the map's fence stays); finalisers and compensations have none
-        item_part: tuple[object, ...] = () if ":" in label else ("" if item is None else item,)
-        if item is not None and attempt > 1:
-            item_part = (f"{item}@{attempt}",)
-        message_id = ids.message_id("task", self.run.run_id, label, fence, *item_part)
+        """A task message for contract ``ref``: its id is a pure function of run, label, fence and
+        ``id_parts``, so building it again (a relay, a nudge) gives the same message, and it is the
+        idempotency key."""
+        message_id = ids.message_id("task", self.run.run_id, label, fence, *id_parts)
         body = {
             "run_id": self.run.run_id,
             "shard": self.run.shard,
@@ -377,13 +397,11 @@ class Step:
         }
         if report is not None:
             body["report"] = report
-        queue = self.plan["stages"][label]["queue"] if label in self.plan["stages"] else None
-        return Outgoing(message_id, "task", ("task", queue or self.plan["contracts"][ref]["queue"]), body)
+        return Outgoing(message_id, "task", ("task", queue), body)
 
     def resend_task(self, name: str, stage: Mapping[str, Any], rec: StageRecord) -> Outgoing:
         """The current attempt's task again: same id, fence and input (the reconciler's nudge)."""
-        self._send_task(name, stage, rec.attempt, rec.fence, self._bind_input(name, stage))
-        return self.outgoing.pop()
+        return self._stage_task(name, stage, rec.attempt, rec.fence, self._bind_input(name, stage), None)
 
     def retry_item(
         self, name: str, stage: Mapping[str, Any], rec: StageRecord, item: int, failed: int
@@ -508,7 +526,10 @@ class Step:
             "result": rec.result if rec else None,
         }
         fence = ids.compensation_fence(self.run.epoch, index)
-        return self.task(f"compensate:{name}", stage["compensate"], 1, fence, undo_input)
+        ref = stage["compensate"]
+        return self.task(
+            f"compensate:{name}", ref, self.plan["contracts"][ref]["queue"], 1, fence, undo_input
+        )
 
     def _cancel_active(self) -> None:
         names = set(self.run.stages) | set(self.overlay)
@@ -559,7 +580,8 @@ class Step:
             "reason": self.reason or self.run.reason,
         }
         fence = ids.finaliser_fence(self.run.epoch, index)
-        return self.task(f"finaliser:{index}", self.plan["finalisers"][index], 1, fence, run_input)
+        ref = self.plan["finalisers"][index]
+        return self.task(f"finaliser:{index}", ref, self.plan["contracts"][ref]["queue"], 1, fence, run_input)
 
     def finish(self) -> None:
         intent = self.intent or self.run.intent
@@ -588,10 +610,13 @@ class Step:
         self.finished = True
 
 
+def rejection(verdict: Verdict, why: str, stage: str | None, attempt: int | None = None) -> HistoryEntry:
+    return HistoryEntry("callback.rejected", stage, attempt, {"reason": verdict.value, "detail": why})
+
+
 def rejected(verdict: Verdict, why: str, stage: str | None, attempt: int | None = None) -> Decision:
     """An event that changes nothing: recorded in history with its reason."""
-    entry = HistoryEntry("callback.rejected", stage, attempt, {"reason": verdict.value, "detail": why})
-    return Decision(verdict=verdict, history=(entry,))
+    return Decision(verdict=verdict, history=(rejection(verdict, why, stage, attempt),))
 
 
 def context_problems(plan: Mapping[str, Any], context: Mapping[str, Any]) -> list[str]:

@@ -190,13 +190,12 @@ class Processor:
         return await self._decide(shard, envelope.run_id, event, plan, digest, None)
 
     async def _continue(self, shard: str, envelope: Envelope) -> Outcome:
-        snapshot = await self.store.snapshot(shard, envelope.run_id)
-        if snapshot is None:
+        loaded = await self._load(shard, envelope.run_id)
+        if loaded is None:
             owner = await self.store.owner(envelope.run_id)
             if owner is not None and owner != shard:
                 return Outcome(forward_to=owner)
             return Outcome(rejected=("unknown-run", f"run {envelope.run_id} does not exist on {shard}"))
-        plan = await self.store.plan(snapshot.digest)
         event = _event(envelope)
         if event is None:
             return Outcome(
@@ -205,30 +204,33 @@ class Processor:
                     f"a {envelope.kind.value} must name stage, fence (and a result its digest)",
                 )
             )
-        return await self._continue_with(shard, envelope.run_id, event, plan, snapshot)
+        return await self._continue_with(shard, envelope.run_id, event, *loaded)
 
     async def fire_timer(self, shard: str, member: str) -> Outcome:
         """A due timer of this shard: the engine decides what it means, the transition claims it."""
         parsed = clocks.parse_member(member)
-        if parsed is None:
-            await self.store.drop_timer(shard, member)
+        loaded = await self._load(shard, parsed[0]) if parsed is not None else None
+        if parsed is None or loaded is None:
+            await self.store.drop_timer(shard, member)  # not ours, or its run expired with it still set
             return Outcome()
         run_id, clock, stage, fence = parsed
-        event = TimerFired(f"timer-{member}", clock, stage, fence, member)
-        snapshot = await self.store.snapshot(shard, run_id)
-        if snapshot is None:
-            await self.store.drop_timer(shard, member)  # the run expired with its timer still set
-            return Outcome()
-        plan = await self.store.plan(snapshot.digest)
-        return await self._continue_with(shard, run_id, event, plan, snapshot)
+        return await self._continue_with(
+            shard, run_id, TimerFired(f"timer-{member}", clock, stage, fence, member), *loaded
+        )
 
     async def nudge(self, shard: str, run_id: str, message_id: str) -> Outcome:
         """Re-send what a stranded run waits for (the reconciler's repair)."""
+        loaded = await self._load(shard, run_id)
+        if loaded is None:
+            return Outcome(rejected=("unknown-run", f"run {run_id} does not exist on {shard}"))
+        return await self._continue_with(shard, run_id, Nudge(message_id), *loaded)
+
+    async def _load(self, shard: str, run_id: str) -> tuple[dict[str, Any], RunSnapshot] | None:
+        """A run's plan and snapshot, or None if the run does not exist on this shard."""
         snapshot = await self.store.snapshot(shard, run_id)
         if snapshot is None:
-            return Outcome(rejected=("unknown-run", f"run {run_id} does not exist on {shard}"))
-        plan = await self.store.plan(snapshot.digest)
-        return await self._continue_with(shard, run_id, Nudge(message_id), plan, snapshot)
+            return None
+        return await self.store.plan(snapshot.digest), snapshot
 
     async def _continue_with(
         self, shard: str, run_id: str, event: Event, plan: dict[str, Any], snapshot: RunSnapshot

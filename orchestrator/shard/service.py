@@ -29,14 +29,14 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from orchestrator import faults
 from orchestrator.bus import names
 from orchestrator.bus.envelope import Envelope, EnvelopeRejected, Signer, decode
-from orchestrator.bus.publisher import Publisher, envelope_for, outgoing_from_payload
+from orchestrator.bus.publisher import Publisher, envelope_for
 from orchestrator.engine.model import Outgoing
 from orchestrator.reconcile import Reconciler
 from orchestrator.shard.processor import Outcome, Processor
 from orchestrator.store.redis_store import RedisStore
 
 log = logging.getLogger(__name__)
-# TimeoutError: a Redis step that outlived ShardOptions.redis_timeout_s (see _redis_step).
+# TimeoutError: a Redis step that outlived ShardOptions.redis_timeout_s.
 REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, ConnectionRefusedError, OSError, TimeoutError)
 
 
@@ -71,11 +71,6 @@ def _redeliveries(message: AbstractIncomingMessage) -> int:
     """How often the broker delivered this message before (quorum queues count it in a header)."""
     count = (message.headers or {}).get("x-delivery-count", 0)
     return int(count) if isinstance(count, int | str) and str(count).isdigit() else 0
-
-
-def crash(options: ShardOptions, point: str) -> None:
-    """Fault injection: die like kill -9 at a named point (SAGA_CRASH_POINTS, tests only)."""
-    faults.crash(options.crash_points, point)
 
 
 @dataclass
@@ -182,7 +177,7 @@ class ShardService:
 
     async def _process(self, shard: str, batch: list[AbstractIncomingMessage], publisher: Publisher) -> None:
         deliveries = [_Delivery(m) for m in batch]
-        crash(self.options, "after-consume")
+        faults.crash(self.options.crash_points, "after-consume")
         valid: list[_Delivery] = []
         for delivery in deliveries:
             try:
@@ -242,7 +237,7 @@ class ShardService:
     async def _settle(self, shard: str, deliveries: list[_Delivery], publisher: Publisher) -> None:
         outgoing: list[Outgoing] = [m for d in deliveries if d.outcome for m in d.outcome.publish]
         if outgoing:
-            crash(self.options, "after-commit")
+            faults.crash(self.options.crash_points, "after-commit")
         outgoing, done_locally = await self._continue_locally(shard, outgoing)
         # Every transition of the batch has committed, and what it causes sits in the outbox: the
         # deliveries may be acked now (invariant 4), in the same socket write as the publishes below.
@@ -250,20 +245,27 @@ class ShardService:
         passing_on = any(d.outcome and (d.outcome.forward_to or d.outcome.rejected) for d in deliveries)
         if not passing_on:
             await self._ack(shard, deliveries)
-        confirmed = await self._publish(publisher, outgoing)
-        if confirmed:
-            crash(self.options, "after-confirm")
-        async with asyncio.timeout(self.options.redis_timeout_s):
-            await self.store.mark_sent(shard, confirmed + done_locally)
+        await self._publish_and_mark(shard, publisher, outgoing, done_locally)
         if passing_on:
             await self._pass_on(shard, deliveries, publisher)
             await self._ack(shard, deliveries)
+
+    async def _publish_and_mark(
+        self, shard: str, publisher: Publisher, outgoing: list[Outgoing], done_locally: list[str]
+    ) -> None:
+        """Publish what committed transitions caused, then mark the confirmed (and the locally applied)
+        entries sent; what is not confirmed stays in the outbox for the relay."""
+        confirmed = await self._publish(publisher, outgoing)
+        if confirmed:
+            faults.crash(self.options.crash_points, "after-confirm")
+        async with asyncio.timeout(self.options.redis_timeout_s):
+            await self.store.mark_sent(shard, confirmed + done_locally)
 
     async def _publish(self, publisher: Publisher, outgoing: list[Outgoing]) -> list[str]:
         if outgoing and "before-confirm" in self.options.crash_points:
             publishing = asyncio.ensure_future(publisher.publish_all(outgoing, self.clock_ms()))
             await asyncio.sleep(0.01)  # the frames are on their way; their confirms are not processed
-            crash(self.options, "before-confirm")
+            faults.crash(self.options.crash_points, "before-confirm")
             return await publishing
         return await publisher.publish_all(outgoing, self.clock_ms())
 
@@ -331,34 +333,33 @@ class ShardService:
                     log.exception("shard %s: firing timer %s failed", shard, member)
         if not outgoing:
             return
-        crash(self.options, "after-commit")
+        faults.crash(self.options.crash_points, "after-commit")
         outgoing, done_locally = await self._continue_locally(shard, outgoing)
-        confirmed = await publisher.publish_all(outgoing, self.clock_ms())
-        async with asyncio.timeout(self.options.redis_timeout_s):
-            await self.store.mark_sent(shard, confirmed + done_locally)
+        await self._publish_and_mark(shard, publisher, outgoing, done_locally)
 
-    async def _reconcile(self, shard: str, publisher: Publisher) -> None:
-        reconciler = Reconciler(
+    def _reconciler(self, publisher: Publisher) -> Reconciler:
+        return Reconciler(
             self.store,
             self.processor,
             publisher,
             min_age_ms=self.options.relay_min_age_ms,
             stranded_after_ms=self.options.stranded_after_ms,
+            redis_timeout_s=self.options.redis_timeout_s,
         )
-        report = await reconciler.shard(shard, self.clock_ms(), dry_run=False)
+
+    async def _reconcile(self, shard: str, publisher: Publisher) -> None:
+        """Nudge the shard's stranded runs (the relay takes care of its unsent outbox entries)."""
+        report = await self._reconciler(publisher).stranded(shard, self.clock_ms(), dry_run=False)
         if report.stranded:
             log.warning("shard %s: stranded runs %s; nudged %s", shard, report.stranded, report.nudged)
 
     async def _relay(self, shard: str, publisher: Publisher) -> None:
         """Re-publish outbox entries committed but never confirmed (a crash between commit and publish)."""
-        async with asyncio.timeout(self.options.redis_timeout_s):
-            entries = await self.store.outbox(shard)
-        cutoff = self.clock_ms() - self.options.relay_min_age_ms
-        stale = [outgoing_from_payload(p) for p in entries.values() if int(p.get("at", 0)) <= cutoff]
-        if not stale:
-            return
-        confirmed = await publisher.publish_all(stale, self.clock_ms())
-        await self.store.mark_sent(shard, confirmed)
-        log.info(
-            "shard %s: relay re-published %d of %d unsent outbox entries", shard, len(confirmed), len(stale)
-        )
+        report = await self._reconciler(publisher).outbox(shard, self.clock_ms(), dry_run=False)
+        if report.unsent:
+            log.info(
+                "shard %s: relay re-published %d of %d unsent outbox entries",
+                shard,
+                len(report.republished),
+                len(report.unsent),
+            )

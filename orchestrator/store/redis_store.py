@@ -18,6 +18,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
+from orchestrator.engine import clocks
 from orchestrator.engine.model import Decision, RunSnapshot
 from orchestrator.errors import SagaError
 from orchestrator.store.keys import ShardKeys, active_key, index_key, plan_key
@@ -211,10 +212,10 @@ class RedisStore:
         found = await self.client.zrangebyscore(self.keys(shard).timers(), "-inf", now_ms, start=0, num=limit)
         return [_str(m) for m in found]
 
-    async def next_timer_ms(self, shard: str) -> int | None:
-        """When the shard's earliest timer is due (None: no timer)."""
-        first = await self.client.zrange(self.keys(shard).timers(), 0, 0, withscores=True)
-        return int(first[0][1]) if first else None
+    async def timer_runs(self, shard: str) -> set[str]:
+        """The runs of the shard that have a timer set."""
+        members = await self.client.zrange(self.keys(shard).timers(), 0, -1)
+        return {parsed[0] for m in members if (parsed := clocks.parse_member(_str(m))) is not None}
 
     async def drop_timer(self, shard: str, member: str) -> None:
         """Forget a timer whose run no longer exists (expired) or that is not one of ours."""
