@@ -304,9 +304,8 @@ class ShardService:
         if envelope is not None:
             error = f"{type(delivery.error).__name__}: {delivery.error}"[:500]
             try:
-                await self.store.poison(
-                    envelope.shard, envelope.run_id, envelope.message_id, error, self.clock_ms()
-                )
+                # the shard being served: a start message names no shard of its own
+                await self.store.poison(shard, envelope.run_id, envelope.message_id, error, self.clock_ms())
             except Exception:
                 log.exception(
                     "could not mark run %s failed for poison message %s", envelope.run_id, envelope.message_id
