@@ -21,6 +21,7 @@ import redis
 
 from orchestrator.client import SyncClient, run_id_for
 from orchestrator.settings import Settings
+from tests.faults import invariants
 from tests.faults.proxy import FaultProxy
 from tests.integration.own_redis import RedisServer
 from tests.integration.stack import Stack, poll
@@ -178,3 +179,22 @@ def log_tail(stack: Stack, name: str, lines: int = 30) -> str:
 
 def sleep_until(deadline: float) -> None:
     time.sleep(max(0.0, deadline - time.monotonic()))
+
+
+def await_convergence(
+    stack: Stack, run_ids: list[str], what: str, timeout_s: float, logs: tuple[str, ...] = ("orchestrator",)
+) -> None:
+    """Every run terminal and every outbox empty within ``timeout_s`` (a liveness bound, not a timing
+    claim); else print the processes' last log lines and the busy queues, and fail naming ``what``."""
+    pending = invariants.wait_for_convergence(stack.redis, stack.prefix, run_ids, timeout_s)
+    if pending:
+        for name in logs:
+            print(f"{name} log, last lines:\n{log_tail(stack, name)}")
+        print(f"busy queues: {busy_queues(stack)}")
+    invariants.assert_no_violations(pending, f"liveness {what}")
+
+
+def invariant_violations(stack: Stack, run_ids: list[str]) -> list[str]:
+    """The shared invariants over ``run_ids`` (and every run of the stack), and no dead letters."""
+    violations = invariants.check_runs(stack.redis, stack.prefix, run_ids, all_runs=True)
+    return violations + invariants.dead_letters(stack.queue_depths())

@@ -24,8 +24,9 @@ from orchestrator.store.keys import ShardKeys, index_key
 from tests.faults import invariants
 from tests.faults.harness import (
     FaultSeed,
-    busy_queues,
+    await_convergence,
     history_total,
+    invariant_violations,
     log_tail,
     mixed_workload,
     redis_server,
@@ -99,14 +100,9 @@ def test_a_broker_restart_under_load_reconnects_and_every_run_converges(fault_se
             )
         # ... and runs started now go through like the others
         start_all(stack.settings, work.during)
-        pending = invariants.wait_for_convergence(stack.redis, stack.prefix, work.run_ids, CONVERGE_S)
-        if pending:
-            for name in ("orchestrator", "worker"):
-                print(f"{name} log, last lines:\n{log_tail(stack, name)}")
-            print(f"busy queues: {busy_queues(stack)}")
-        assert_no_violations(pending, f"liveness after a broker restart (seed {fault_seed.seed})")
-        violations = invariants.check_runs(stack.redis, stack.prefix, work.run_ids, all_runs=True)
-        violations += invariants.dead_letters(stack.queue_depths())
+        what = f"after a broker restart (seed {fault_seed.seed})"
+        await_convergence(stack, work.run_ids, what, CONVERGE_S, logs=("orchestrator", "worker"))
+        violations = invariant_violations(stack, work.run_ids)
         assert_no_violations(violations, f"the invariants after a broker restart (seed {fault_seed.seed})")
     finally:
         stack.teardown()
@@ -190,11 +186,9 @@ def test_a_redis_kill_9_under_load_loses_nothing_and_every_run_converges(
             # Then nothing it had acknowledged is lost, and every run converges
             lost = lost_writes(before, histories(stack.redis, stack.prefix, work.run_ids))
             assert_no_violations(lost, f"what Redis held before a kill -9 (seed {fault_seed.seed})")
-            pending = invariants.wait_for_convergence(stack.redis, stack.prefix, work.run_ids, CONVERGE_S)
-            if pending:
-                print(f"orchestrator log, last lines:\n{log_tail(stack, 'orchestrator')}")
-                print(f"busy queues: {busy_queues(stack)}")
-            assert_no_violations(pending, f"liveness after a Redis kill -9 (seed {fault_seed.seed})")
+            await_convergence(
+                stack, work.run_ids, f"after a Redis kill -9 (seed {fault_seed.seed})", CONVERGE_S
+            )
             violations = invariants.check_runs(stack.redis, stack.prefix, work.run_ids, effects=False)
             runs = invariants.load_runs(stack.redis, stack.prefix, work.run_ids)
             violations += invariants.effect_violations(ledger, stack.prefix, runs)

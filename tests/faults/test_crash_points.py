@@ -22,8 +22,9 @@ from orchestrator.faults import WORKER_POINTS
 from tests.faults import invariants
 from tests.faults.harness import (
     FaultSeed,
-    busy_queues,
+    await_convergence,
     history_total,
+    invariant_violations,
     log_tail,
     mixed_workload,
     start_all,
@@ -121,12 +122,9 @@ def test_a_crash_at_a_named_point_under_load_loses_and_repeats_nothing(
             stack.start_worker()
         else:
             stack.start_orchestrator()
-        pending = invariants.wait_for_convergence(stack.redis, stack.prefix, work.run_ids, CONVERGE_S)
-        if pending:
-            print(f"{role} log, last lines:\n{log_tail(stack, role)}\nbusy queues: {busy_queues(stack)}")
-        assert_no_violations(pending, f"liveness after a crash at {point} (seed {fault_seed.seed})")
-        violations = invariants.check_runs(stack.redis, stack.prefix, work.run_ids, all_runs=True)
-        violations += invariants.dead_letters(stack.queue_depths())
+        what = f"after a crash at {point} (seed {fault_seed.seed})"
+        await_convergence(stack, work.run_ids, what, CONVERGE_S, logs=(role,))
+        violations = invariant_violations(stack, work.run_ids)
         runs = invariants.load_runs(stack.redis, stack.prefix, work.run_ids)
         if point in COMMITTED and not duplicates_recorded(runs):
             violations.append("the committed but unacked batch came back, yet no duplicate was recorded")

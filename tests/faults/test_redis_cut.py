@@ -23,7 +23,6 @@ from typing import Any
 
 import pytest
 
-from orchestrator.store.keys import ShardKeys, index_key
 from tests.faults import invariants
 from tests.faults.harness import (
     FaultSeed,
@@ -37,6 +36,7 @@ from tests.faults.harness import (
     start_all,
 )
 from tests.faults.invariants import assert_no_violations
+from tests.faults.lifecycle import terminal_count
 from tests.faults.proxy import FaultProxy
 from tests.integration.stack import Stack, poll
 
@@ -48,15 +48,6 @@ CONVERGE_S = 90.0  # a liveness bound for after the heal, far above what recover
 SETTLE_S = 0.5  # commands forwarded just before the cut may still be running upstream; measure after
 
 
-def finished(stack: Stack, run_ids: list[str]) -> int:
-    """How many of the runs are terminal (two pipelined reads: this is polled while the load runs)."""
-    shards: list[str | None] = stack.redis.mget([index_key(stack.prefix, r) for r in run_ids])  # type: ignore[assignment]
-    with stack.redis.pipeline(transaction=False) as pipe:
-        for run_id, shard in zip(run_ids, shards, strict=True):
-            pipe.hget(ShardKeys(stack.prefix, shard or "none").run(run_id), "status")
-        return sum(status in invariants.TERMINAL for status in pipe.execute())
-
-
 def cut_scenario(stack: Stack, proxy: FaultProxy, seed: FaultSeed, fault: str, cut_s: float) -> None:
     rng = seed.rng
     work = mixed_workload(stack, rng, runs=RUNS, during=DURING, bag_items=rng.randint(200, 400))
@@ -65,12 +56,12 @@ def cut_scenario(stack: Stack, proxy: FaultProxy, seed: FaultSeed, fault: str, c
     start_all(stack.settings, work.before)
     finished_at_cut = rng.randint(1, (RUNS - DURING) // 2)
     poll(
-        lambda: finished(stack, work.run_ids) >= finished_at_cut,
+        lambda: terminal_count(stack, work.run_ids) >= finished_at_cut,
         60,
         interval_s=0.02,
         what=f"{finished_at_cut} runs to finish before the cut",
     )
-    in_flight = len(work.run_ids) - finished(stack, work.run_ids)
+    in_flight = len(work.run_ids) - terminal_count(stack, work.run_ids)
     before = proxy.stats()
     # When the orchestrator's path to Redis is cut
     getattr(proxy, fault)()

@@ -21,8 +21,15 @@ from collections import Counter
 import pytest
 
 from orchestrator.store.keys import ShardKeys
-from tests.faults import invariants
-from tests.faults.harness import FaultSeed, busy_queues, history_total, log_tail, mixed_workload, start_all
+from tests.faults.harness import (
+    FaultSeed,
+    await_convergence,
+    history_total,
+    invariant_violations,
+    log_tail,
+    mixed_workload,
+    start_all,
+)
 from tests.faults.invariants import assert_no_violations
 from tests.faults.lifecycle import (
     active_consumers,
@@ -155,16 +162,11 @@ def test_a_paused_active_orchestrator_loses_to_its_standby_and_its_late_writes_c
         )
 
         # And every run converges, with every invariant held: the late writes changed nothing
-        pending = invariants.wait_for_convergence(stack.redis, stack.prefix, work.run_ids, CONVERGE_S)
-        if pending:
-            for name in ("first", "second"):
-                print(f"{name} log, last lines:\n{log_tail(stack, name)}")
-            print(f"busy queues: {busy_queues(stack)}")
-        assert_no_violations(pending, f"liveness after a standby takeover (seed {fault_seed.seed})")
+        what = f"after a standby takeover (seed {fault_seed.seed})"
+        await_convergence(stack, work.run_ids, what, CONVERGE_S, logs=("first", "second"))
         after, prepared = written_after(stack, work.run_ids, paused_ms, resumed_ms)
         print(f"written after the resume: {dict(after)}; {prepared} of them decided before the pause")
-        violations = invariants.check_runs(stack.redis, stack.prefix, work.run_ids, all_runs=True)
-        violations += invariants.dead_letters(stack.queue_depths())
+        violations = invariant_violations(stack, work.run_ids)
         # ... and the old one serves again, as the new standby: SAC does not hand a queue back to a
         # returning consumer, and a process that never consumes again leaves its shards without a standby
         try:

@@ -147,6 +147,12 @@ class Stack:
             check=False,
         )
 
+    def saga_json(self, *args: str) -> Any:
+        """``saga ARGS --json``, which must succeed; its parsed output."""
+        done = self.saga(*args, "--json")
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout)
+
     def stop(self, name: str, sig: int = signal.SIGTERM) -> int:
         process = self.processes.pop(name)
         if process.poll() is None:

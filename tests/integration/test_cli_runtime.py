@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from tests.integration.stack import ROOT, Stack, running
+from tests.integration.stack import Stack, running
 
 pytestmark = pytest.mark.services
 
@@ -22,21 +21,11 @@ def stack() -> Iterator[Stack]:
 
 
 def saga(stack: Stack, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "orchestrator", *args],
-        cwd=ROOT,
-        env=stack.env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    return stack.saga(*args)
 
 
 def saga_json(stack: Stack, *args: str) -> Any:
-    done = saga(stack, *args, "--json")
-    assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout)
+    return stack.saga_json(*args)
 
 
 def test_publish_start_wait_status_history_and_runs(stack: Stack) -> None:

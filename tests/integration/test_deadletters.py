@@ -39,21 +39,11 @@ def stack() -> Iterator[Stack]:
 
 
 def saga(stack: Stack, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "orchestrator", "dead-letters", *args],
-        cwd=ROOT,
-        env=stack.env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    return stack.saga("dead-letters", *args)
 
 
 def saga_json(stack: Stack, *args: str) -> Any:
-    done = saga(stack, *args, "--json")
-    assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout)
+    return stack.saga_json("dead-letters", *args)
 
 
 def task(stage: str = "render-thumbnail") -> Envelope:
