@@ -7,12 +7,18 @@ decisions, so recorded histories replay in tests.
 What the engine decides for each event:
 
 * ``StartRun``: create the run (a start for an existing run is a duplicate); a context that fails the
-  definition's schema creates the run with a failed intent, so the caller can see why.
+  definition's schema, or that makes a task too big to send, creates the run with a failed intent, so
+  the caller can see why.
 * ``StageResult``: after an intent, late; for another fence, stale; for a settled stage, a duplicate;
+  not the report of the task this run dispatched (its message id is derived from the task's), invalid;
   otherwise the result is accepted and the stage's route is entered (a map item is an arrival at the map's
   barrier instead).
-* ``BarrierReleased``: the join or map stage completes and its ``on_success`` route is entered.
+* ``BarrierReleased``: once the barrier has counted every member, the join or map stage completes and
+  its ``on_success`` route is entered.
 * ``FinaliserResult``: the outcome is recorded and the next finaliser dispatched, or the run finishes.
+
+Every message a transition causes is measured (``sizes``): one that its reader would refuse as too
+large is never sent; the step that would send it fails instead, with the reason.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from orchestrator.engine import ids, liveness, redrive
+from orchestrator.engine import door, ids, liveness, redrive, sizes
 from orchestrator.engine.model import (
     ACTIVE_STAGE_STATUSES,
     FENCED_OFF,
@@ -50,18 +56,21 @@ from orchestrator.engine.model import (
     TimerFired,
     Verdict,
 )
-from orchestrator.engine.step import Step, context_problems, dumps, rejected
+from orchestrator.engine.step import WORK_STAGE_TYPES, Step, dumps, rejected
 
 __all__ = ["advance"]
 
-WORK_STAGE_TYPES = frozenset({"action", "worker", "map"})
-
 
 def advance(
-    plan: Mapping[str, Any], digest: str, run: RunSnapshot | None, event: Event, now_ms: int
+    plan: Mapping[str, Any],
+    digest: str,
+    run: RunSnapshot | None,
+    event: Event,
+    now_ms: int,
+    limits: sizes.Limits = sizes.DEFAULT_LIMITS,
 ) -> Decision:
     if isinstance(event, StartRun):
-        return _start(plan, digest, run, event, now_ms)
+        return _start(plan, digest, run, event, now_ms, limits)
     if run is None:
         return rejected(Verdict.INVALID, "names no run", getattr(event, "stage", None))
     claimed = getattr(event, "digest", "")
@@ -69,11 +78,16 @@ def advance(
         why = f"names plan {claimed}, but the run is pinned to {run.digest}"
         return rejected(Verdict.INVALID, why, getattr(event, "stage", None))
     handler: Callable[[Step, Any], Decision] = _HANDLERS[type(event)]
-    return handler(Step(plan, digest, run, now_ms), event)
+    return handler(Step(plan, digest, run, now_ms, limits=limits), event)
 
 
 def _start(
-    plan: Mapping[str, Any], digest: str, run: RunSnapshot | None, event: StartRun, now_ms: int
+    plan: Mapping[str, Any],
+    digest: str,
+    run: RunSnapshot | None,
+    event: StartRun,
+    now_ms: int,
+    limits: sizes.Limits,
 ) -> Decision:
     if run is not None:
         return rejected(Verdict.DUPLICATE, "the run already exists", None)
@@ -85,7 +99,7 @@ def _start(
         context=event.context,
         tenant=event.tenant,
     )
-    step = Step(plan, digest, fresh, now_ms)
+    step = Step(plan, digest, fresh, now_ms, limits=limits)
     step.write(
         RUN,
         run_id=event.run_id,
@@ -102,9 +116,9 @@ def _start(
     step.record("run.started", definition=plan["name"], digest=digest)
     if plan.get("run_deadline_ms"):
         step.set_timer(Clock.RUN, "", ids.run_fence(1), plan["run_deadline_ms"])
-    problems = context_problems(plan, event.context)
+    problems = door.start_problems(plan, digest, event.context, limits)
     if problems:
-        step.set_intent(Intent.FAILED, "invalid context: " + "; ".join(problems))
+        step.set_intent(Intent.FAILED, "; ".join(problems))
     else:
         step.enter(None, plan["entry"])
     return step.decision(create=True)
@@ -114,12 +128,10 @@ def _stage_result(step: Step, event: StageResult) -> Decision:
     run = step.run
     rec = run.stages.get(event.stage)
     stage = step.plan["stages"].get(event.stage)
-    if stage is None or rec is None:
-        return rejected(Verdict.INVALID, f"stage {event.stage!r} was never dispatched", event.stage)
-    if stage["type"] not in WORK_STAGE_TYPES:
-        return rejected(
-            Verdict.INVALID, f"{event.stage!r} is a {stage['type']}; no worker reports on it", event.stage
-        )
+    refused = _unknown_report(step, event, stage, rec)
+    if refused is not None:
+        return refused
+    assert stage is not None and rec is not None  # _unknown_report refused the rest
     if event.cancelled and rec.fence == event.fence and rec.status in FENCED_OFF:
         step.record("cancellation.acknowledged", event.stage, event.attempt, fence=event.fence)
         return step.decision(Verdict.LATE)
@@ -160,10 +172,26 @@ def _stage_result(step: Step, event: StageResult) -> Decision:
         step.clear_attempt_clocks(event.stage, rec.fence)
         step.enter(event.stage, stage["on_success"])
     else:
-        error = event.error or "the worker reported a failure without a message"
+        error = sizes.bounded(event.error or "the worker reported a failure without a message")
         step.record("stage.failed", event.stage, rec.attempt, error=error, retryable=event.retryable)
         step.fail_attempt(event.stage, stage, rec, error, retryable=event.retryable)
     return step.decision()
+
+
+def _unknown_report(
+    step: Step, event: StageResult, stage: Mapping[str, Any] | None, rec: StageRecord | None
+) -> Decision | None:
+    """Why ``event`` reports on no task this run dispatched (None: it does)."""
+    if stage is None or rec is None:
+        return rejected(Verdict.INVALID, f"stage {event.stage!r} was never dispatched", event.stage)
+    if stage["type"] not in WORK_STAGE_TYPES:
+        why = f"{event.stage!r} is a {stage['type']}; no worker reports on it"
+        return rejected(Verdict.INVALID, why, event.stage)
+    item = event.item if stage["type"] == "map" else None
+    task = ids.stage_task_id(step.run.run_id, event.stage, event.fence, item, event.attempt)
+    if event.message_id != ids.result_id(task):
+        return _not_a_report(event.message_id, task, event.stage, event.attempt)
+    return None
 
 
 def _map_item(step: Step, stage: Mapping[str, Any], rec: StageRecord, event: StageResult) -> Decision:
@@ -182,8 +210,9 @@ def _map_item(step: Step, stage: Mapping[str, Any], rec: StageRecord, event: Sta
     if not event.ok:
         step.guard(event.stage, rec)
         step.absent.append((Key("barrier", event.stage), str(event.item)))  # an item that arrived stays
-        error = f"item {event.item}: {event.error}"
-        step.record("stage.failed", event.stage, current, item=event.item, error=event.error)
+        reported = sizes.bounded(event.error or "the worker reported a failure without a message")
+        error = f"item {event.item}: {reported}"
+        step.record("stage.failed", event.stage, current, item=event.item, error=reported)
         if event.retryable and current < stage["retry"]["max_attempts"]:
             step.retry_item(event.stage, stage, rec, event.item, current)
         else:
@@ -193,7 +222,7 @@ def _map_item(step: Step, stage: Mapping[str, Any], rec: StageRecord, event: Sta
     step.expect(Key("stage", event.stage), "fence", rec.fence)
     step.expect(RUN, "intent", None)
     release = Outgoing(
-        ids.message_id("release", step.run.run_id, event.stage, rec.fence),
+        ids.release_id(step.run.run_id, event.stage, rec.fence),
         "barrier.released",
         ("shard", step.run.shard),
         {"run_id": step.run.run_id, "stage": event.stage, "fence": rec.fence},
@@ -214,6 +243,14 @@ def _barrier_released(step: Step, event: BarrierReleased) -> Decision:
         return rejected(Verdict.STALE, f"fence {event.fence} is not the current {rec.fence}", event.stage)
     if rec.status not in ACTIVE_STAGE_STATUSES:
         return rejected(Verdict.DUPLICATE, f"the barrier is already {rec.status.value}", event.stage)
+    if event.message_id != ids.release_id(run.run_id, event.stage, event.fence):
+        why = f"message {event.message_id} is not the release of barrier {event.stage!r} (fence {rec.fence})"
+        return rejected(Verdict.INVALID, why, event.stage)
+    remaining = run.barriers.get(event.stage)
+    if remaining != 0:
+        why = f"barrier {event.stage!r} still waits for {remaining} arrival(s); only its last one releases it"
+        return rejected(Verdict.INVALID, why, event.stage)
+    step.expect(Key("counter", event.stage), "remaining", "0")
     step.guard(event.stage, rec)
     result = run.map_results.get(event.stage) if stage["type"] == "map" else None
     done_at = step.done_at(stage)
@@ -240,6 +277,9 @@ def _compensation_result(step: Step, event: CompensationResult) -> Decision:
         return rejected(verdict, f"compensation {event.index} is not the current one", label)
     if run.compensations[event.index] != event.stage:
         return rejected(Verdict.INVALID, f"compensation {event.index} is not for {event.stage!r}", label)
+    task = ids.task_id(run.run_id, label, event.fence)
+    if event.message_id != ids.result_id(task):
+        return _not_a_report(event.message_id, task, label, None)
     step.expect(RUN, "compensation_index", str(run.compensation_index))
     step.expect(RUN, "status", RunStatus.FINALISING.value)
     rec = run.stages[event.stage]
@@ -249,29 +289,40 @@ def _compensation_result(step: Step, event: CompensationResult) -> Decision:
     else:
         # never silently skipped: the stage stays completed (its effect may remain) and the run says so
         step.write(RUN, compensation_failed="1")
-        step.record("compensation.failed", label, error=event.error)
+        step.record("compensation.failed", label, error=sizes.bounded(event.error or "no message"))
     step.start_compensation(run.compensations, event.index + 1)
     return step.decision()
 
 
 def _finaliser_result(step: Step, event: FinaliserResult) -> Decision:
     run = step.run
-    name = f"finaliser:{event.index}"
+    name = ids.finaliser_label(event.index)
     if run.status is not RunStatus.FINALISING or run.intent is None:
         return rejected(Verdict.DUPLICATE, f"the run is {run.status.value}, not finalising", name)
     current = ids.finaliser_fence(run.epoch, run.finaliser_index)
     if event.index != run.finaliser_index or event.fence != current:
         verdict = Verdict.DUPLICATE if event.index < run.finaliser_index else Verdict.STALE
         return rejected(verdict, f"finaliser {event.index} is not the current one", name)
+    task = ids.task_id(run.run_id, name, event.fence)
+    if event.message_id != ids.result_id(task):
+        return _not_a_report(event.message_id, task, name, None)
     step.expect(RUN, "finaliser_index", str(run.finaliser_index))
     step.expect(RUN, "status", RunStatus.FINALISING.value)
     if event.ok:
         step.record("finaliser.completed", name)
     else:
         step.write(RUN, finaliser_failed="1")
-        step.record("finaliser.failed", name, error=event.error)
+        step.record("finaliser.failed", name, error=sizes.bounded(event.error or "no message"))
     step.start_finaliser(event.index + 1)
     return step.decision()
+
+
+def _not_a_report(message_id: str, task: str, label: str, attempt: int | None) -> Decision:
+    """A report's id is derived from its task's id (``ids.result_id``), which names the run, stage,
+    fence and item: a message whose id does not match what it claims to answer is refused, however
+    well it names the current attempt."""
+    why = f"message {message_id} is not the report of task {task}, which its fields name"
+    return rejected(Verdict.INVALID, why, label, attempt)
 
 
 # What each event of an existing run means (a start is handled before a run exists).

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from orchestrator.engine import clocks, ids
+from orchestrator.engine import clocks, ids, sizes
 from orchestrator.engine.model import (
     ACTIVE_STAGE_STATUSES,
     FENCED_OFF,
@@ -59,6 +59,9 @@ def _recancel(step: Step, stage: str, fence: str, cause: str) -> None:
 def accepted(step: Step, event: StageAccepted) -> Decision:
     """The attempt started: its queue clock stops, its execution and heartbeat clocks start. The id of an
     acceptance is a function of the attempt, so a redelivered task's second acceptance is a duplicate."""
+    if event.message_id != ids.acceptance_id(step.run.run_id, event.stage, event.fence):
+        why = f"message {event.message_id} is not the acceptance of {event.stage!r} fence {event.fence}"
+        return rejected(Verdict.INVALID, why, event.stage, event.attempt)
     problem = _attempt_problem(step, event.stage, event.fence)
     if problem is not None:
         _recancel(step, event.stage, event.fence, event.message_id)
@@ -80,6 +83,8 @@ def accepted(step: Step, event: StageAccepted) -> Decision:
 def heartbeat(step: Step, event: StageHeartbeat) -> Decision:
     """Moves the heartbeat deadline; nothing in history (a long task beats often), nothing remembered."""
     step.remember = False
+    if not ids.is_heartbeat_id(event.message_id, step.run.run_id, event.stage, event.fence):
+        return step.decision(Verdict.INVALID)  # only the attempt's own beats keep it alive
     problem = _attempt_problem(step, event.stage, event.fence)
     if problem is not None:
         _recancel(step, event.stage, event.fence, event.message_id)  # the heartbeat's reply: stop
@@ -101,7 +106,7 @@ def timer_fired(step: Step, event: TimerFired) -> Decision:
     step.untimers.add(event.member)  # whatever the verdict, this timer is done
     if event.clock is Clock.RUN:
         return _run_deadline(step, event)
-    if event.clock is Clock.RETRY and "#" in event.stage:
+    if event.clock is Clock.RETRY and ids.parse_item_label(event.stage) is not None:
         return _item_retry(step, event)
     rec = step.run.stages.get(event.stage)
     stage = step.plan["stages"].get(event.stage)
@@ -122,15 +127,16 @@ def timer_fired(step: Step, event: TimerFired) -> Decision:
 
 def _item_retry(step: Step, event: TimerFired) -> Decision:
     """A map item's backoff is over: dispatch its next attempt, if the map still waits for it."""
-    name, _, item_text = event.stage.partition("#")
+    parsed = ids.parse_item_label(event.stage)
+    name, item = parsed if parsed is not None else ("", 0)
     rec = step.run.stages.get(name)
-    attempt = step.run.item_attempts.get(f"{name}:{item_text}")
+    attempt = step.run.item_attempts.get(f"{name}:{item}")
     live = rec is not None and rec.fence == event.fence and rec.status in ACTIVE_STAGE_STATUSES
-    if rec is None or not live or attempt is None or step.run.intent is not None or not item_text.isdigit():
+    if rec is None or not live or attempt is None or step.run.intent is not None:
         return step.decision(Verdict.STALE)
     step.guard(name, rec)
-    step.expect(Key("item", f"{name}:{item_text}"), "attempt", str(attempt))
-    step.dispatch_item(name, step.plan["stages"][name], rec, int(item_text), attempt)
+    step.expect(Key("item", f"{name}:{item}"), "attempt", str(attempt))
+    step.dispatch_item(name, step.plan["stages"][name], rec, item, attempt)
     return step.decision()
 
 
@@ -180,20 +186,43 @@ def nudge(step: Step, event: Nudge) -> Decision:
     if run.status in (RunStatus.COMPLETED, RunStatus.FAILED):
         return rejected(Verdict.LATE, f"the run is {run.status.value}", None)
     step.expect(RUN, "status", run.status.value)
+    # a task that no longer fits a message is not sent again: it fails as if it had, with the reason
     if run.status is RunStatus.FINALISING and run.phase == "compensating":
         index = run.compensation_index
         step.expect(RUN, "compensation_index", str(index))
-        step.outgoing.append(step.compensation_task(run.compensations[index], index))
+        task = step.compensation_task(run.compensations[index], index)
+        if sizes.too_big(task.body, step.limits) is None:
+            step.outgoing.append(task)
+        else:
+            step.start_compensation(run.compensations, index)
     elif run.status is RunStatus.FINALISING:
         step.expect(RUN, "finaliser_index", str(run.finaliser_index))
-        step.outgoing.append(step.finaliser_task(run.finaliser_index))
+        task = step.finaliser_task(run.finaliser_index)
+        if sizes.too_big(task.body, step.limits) is None:
+            step.outgoing.append(task)
+        else:
+            step.start_finaliser(run.finaliser_index)
     else:
         for name, rec in sorted(run.stages.items()):
             stage = step.plan["stages"].get(name, {})
             if rec.status in ACTIVE_STAGE_STATUSES and stage.get("type") in ("action", "worker"):
-                step.expect(Key("stage", name), "fence", rec.fence)
-                step.outgoing.append(step.resend_task(name, stage, rec))
-    if not step.outgoing:
+                _resend(step, name, stage, rec)
+    if not step.outgoing and not step.writes:
         return rejected(Verdict.INVALID, "nothing to re-send: no attempt is waiting on a worker", None)
-    step.record("run.nudged", resent=[m.message_id for m in step.outgoing])
+    step.record("run.nudged", resent=[m.message_id for m in step.outgoing if m.kind == "task"])
     return step.decision()
+
+
+def _resend(step: Step, name: str, stage: Mapping[str, Any], rec: StageRecord) -> None:
+    """Re-send an attempt's task, unless it can no longer be sent (the message limit was lowered since,
+    or it was committed before tasks were measured): then the attempt fails with why, since sending it
+    again would only park another copy on saga.rejected."""
+    step.guard(name, rec)
+    task = step.resend_task(name, stage, rec)
+    problem = sizes.too_big(task.body, step.limits)
+    if problem is None:
+        step.outgoing.append(task)
+        return
+    error = f"the task cannot be sent: {problem}"
+    step.record("stage.failed", name, rec.attempt, error=error, reason="size")
+    step.fail_attempt(name, stage, rec, error, retryable=False)

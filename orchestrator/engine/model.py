@@ -240,6 +240,7 @@ class RunSnapshot:
     output: Any = None
     stages: Mapping[str, StageRecord] = field(default_factory=dict)
     map_results: Mapping[str, list[Any]] = field(default_factory=dict)
+    barriers: Mapping[str, int] = field(default_factory=dict)  # join or map -> arrivals it still waits for
 
 
 # ---- decision --------------------------------------------------------------------------------------
@@ -247,8 +248,9 @@ class RunSnapshot:
 
 @dataclass(frozen=True)
 class Key:
-    """A logical key of one run: ``run``, ``stage`` (with its name), ``barrier`` (join or map), ``item``
-    (``<map>:<item>``: a map item that was retried)."""
+    """A logical key of one run: ``run``, ``stage`` (with its name), ``barrier`` (join or map: its members),
+    ``counter`` (a barrier's count of arrivals still awaited), ``item`` (``<map>:<item>``: a map item that
+    was retried)."""
 
     kind: str
     name: str = ""

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from orchestrator.dsl.binding import bind, evaluate, validator_for
-from orchestrator.engine import clocks, ids
+from orchestrator.engine import clocks, ids, sizes
 from orchestrator.engine.model import (
     ACTIVE_STAGE_STATUSES,
     RUN,
@@ -38,6 +38,7 @@ from orchestrator.errors import BindingError
 
 TERMINALS = frozenset(i.value for i in Intent)
 CANCELLABLE = ACTIVE_STAGE_STATUSES | {StageStatus.RETRY_SCHEDULED}
+WORK_STAGE_TYPES = frozenset({"action", "worker", "map"})
 
 
 def dumps(value: Any) -> str:
@@ -69,13 +70,22 @@ class Step:
     remember: bool = True
     removes: list[tuple[Key, str]] = field(default_factory=list)
     persist: bool = False
-    redriving: bool = False  # a re-drive walks the plan again, reusing what completed before
-    reused_arrivals: dict[str, int] = field(default_factory=dict)  # join -> branches that arrived reused
+    limits: sizes.Limits = sizes.DEFAULT_LIMITS
+    # join -> branches that arrived in the very transition that opens the join (reused after a re-drive,
+    # or a decision routing straight to the join): the fork counts them when it sets the barrier
+    early_arrivals: dict[str, int] = field(default_factory=dict)
 
     # ---- primitives --------------------------------------------------------------------------------
 
     def expect(self, key: Key, name: str, value: str | None) -> None:
-        self.expects.setdefault((key, name), value)
+        """A precondition on the state this transition was decided from (the first one per field wins).
+
+        A field this transition has already written or removed is its own: the store checks every
+        precondition before the first write, so expecting it would compare the stored value with this
+        transition's own intention and conflict on every attempt."""
+        if (key, name) in self.expects or name in self.writes.get(key, ()) or (key, name) in self.removes:
+            return
+        self.expects[(key, name)] = value
 
     def write(self, key: Key, **fields: str) -> None:
         self.writes.setdefault(key, {}).update(fields)
@@ -178,7 +188,7 @@ class Step:
             return
         stage = self.plan["stages"][target]
         kind = stage["type"]
-        if self.redriving and self._reuse(target, stage):
+        if kind in WORK_STAGE_TYPES and self._reuse(target):
             return
         if kind == "join":
             self._arrive(source, target, stage, outcome)
@@ -213,19 +223,20 @@ class Step:
             if taken:
                 self.set_stage(name, StageRecord(StageStatus.COMPLETED, 1, fence, result={"branch": i}))
                 self.record("decision.taken", name, branch=i, next=branch["next"])
-                self.enter(name, branch["next"])
+                self.enter(name, branch["next"], why=f"branch {i} ({branch['when']}) was taken")
                 return
 
-    def _reuse(self, name: str, stage: Mapping[str, Any]) -> bool:
-        """Re-drive: a work stage that completed in an earlier epoch (and was not compensated) keeps its
-        result and is not run again; the walk goes on from it."""
+    def _reuse(self, name: str) -> bool:
+        """A work stage entered when it has already completed (and was not compensated) keeps its result
+        and is not run again; the route goes on from it. Plans have no cycles, so within one epoch a stage
+        is entered once: this is a re-driven run meeting what an earlier epoch did, in whichever
+        transition of the new epoch reaches it."""
         rec = self.run.stages.get(name)
-        if stage["type"] not in ("action", "worker", "map") or rec is None:
+        if rec is None or rec.status is not StageStatus.COMPLETED:
             return False
-        if rec.status is not StageStatus.COMPLETED:
-            return False
+        self.expect(Key("stage", name), "fence", rec.fence)
         self.record("stage.reused", name, rec.attempt, from_fence=rec.fence)
-        self.enter(name, stage["on_success"])
+        self.enter(name, self.plan["stages"][name]["on_success"])
         return True
 
     def _fork(self, name: str, stage: Mapping[str, Any]) -> None:
@@ -240,11 +251,11 @@ class Step:
         self.record("fork.released", name, branches=list(stage["branches"]))
         for branch in stage["branches"]:
             self.enter(name, branch)
-        reused = self.reused_arrivals.pop(join, 0)
-        if reused:  # re-drive: branches that completed before arrived at once; the rest are counted
+        early = self.early_arrivals.pop(join, 0)
+        if early:  # branches that arrived at once are counted now; the barrier waits for the rest
             self.barriers.remove(init)
-            if reused < init.count:
-                self.barriers.append(BarrierInit(init.key, init.count - reused))
+            if early < init.count:
+                self.barriers.append(BarrierInit(init.key, init.count - early))
             elif self.intent is None:
                 self.set_stage(join, StageRecord(StageStatus.COMPLETED, 1, fence))
                 self.record("join.released", join, 1)
@@ -263,15 +274,15 @@ class Step:
             self.set_stage(join, StageRecord(StageStatus.FAILED, 1, rec.fence if rec else "", error=outcome))
             self.enter(join, stage["on_failure"], "failed", f"branch {branch!r} arrived {outcome}")
             return
-        if self.redriving and any(b.key.name == join for b in self.barriers):
-            # a reused branch arrives in the transition that opened the join: counted by the fork
-            self.reused_arrivals[join] = self.reused_arrivals.get(join, 0) + 1
-            self.record("branch.arrived", join, branch=branch, outcome=outcome, reused=True)
+        if any(b.key.name == join for b in self.barriers):
+            # the branch arrives in the transition that opens the join: counted by the fork
+            self.early_arrivals[join] = self.early_arrivals.get(join, 0) + 1
+            self.record("branch.arrived", join, branch=branch, outcome=outcome, early=True)
             return
         rec = self.stage(join)
         fence = rec.fence if rec else ids.stage_fence(self.run.epoch, 1)
         release = Outgoing(
-            ids.message_id("release", self.run.run_id, join, fence),
+            ids.release_id(self.run.run_id, join, fence),
             "barrier.released",
             ("shard", self.run.shard),
             {"run_id": self.run.run_id, "stage": join, "fence": fence},
@@ -296,6 +307,10 @@ class Step:
         fence = ids.stage_fence(self.run.epoch, 1)
         previous = self.run.stages.get(name)  # set in an earlier epoch, when re-driven
         self.expect(Key("stage", name), "fence", previous.fence if previous else None)
+        # items retried in an earlier epoch start again at attempt 1 under the new fence
+        prefix = f"{name}:"
+        retried = sorted(k for k in self.run.item_attempts if k.startswith(prefix))
+        self.removes += [(Key("item", k), "attempt") for k in retried]
         if not items:
             self.set_stage(name, StageRecord(StageStatus.COMPLETED, 1, fence, result=[]))
             self.record("stage.completed", name, 1, items=0)
@@ -304,63 +319,70 @@ class Step:
         inputs = []
         for index, item in enumerate(items):
             try:
-                inputs.append(self._bind_input(name, stage, item=item, index=index))
+                inputs.append(self.bind_input(name, stage, item=item, index=index))
             except BindingError as exc:
                 self.fail_to_start(name, stage, str(exc))
                 return
+        tasks = [self.stage_task(name, stage, 1, fence, payload, i) for i, payload in enumerate(inputs)]
+        problem = self.largest_too_big(tasks, inputs)
+        if problem is not None:
+            self.fail_to_start(name, stage, problem)
+            return
         self.set_stage(name, StageRecord(StageStatus.DISPATCHED, 1, fence, items=len(items)))
         self.barriers.append(BarrierInit(Key("barrier", name), len(items)))
-        for index, payload in enumerate(inputs):
-            self._send_task(name, stage, 1, fence, payload, item=index)
+        self.outgoing += tasks
         self.record("stage.dispatched", name, 1, items=len(items), queue=stage["queue"])
         if stage.get("execution_deadline_ms"):  # a bag has one clock: from dispatch to its last item
             self.set_timer(Clock.EXECUTION, name, fence, stage["execution_deadline_ms"])
 
     # ---- work stages -------------------------------------------------------------------------------
 
-    def _bind_input(self, name: str, stage: Mapping[str, Any], **extra: Any) -> Any:
+    def bind_input(self, name: str, stage: Mapping[str, Any], **extra: Any) -> Any:
         ref = stage.get("action") or stage["worker"]
         schema = self.plan["contracts"][ref]["input_schema"]
         return bind(stage["input"], self.variables(**extra), schema, f"{name}.input")
 
+    def largest_too_big(self, tasks: list[Outgoing], inputs: list[Any]) -> str | None:
+        """Why one of a map's item tasks cannot be sent (None: all fit). Item tasks differ only in their
+        input, so when all inputs together fit beside one task's identity, every task does; only a bag
+        near the limit pays for measuring each task."""
+        if sizes.body_bytes({"all": inputs}) + sizes.body_bytes(tasks[0].body) <= self.limits.max_body_bytes:
+            return None
+        for index, task in enumerate(tasks):
+            problem = sizes.too_big(task.body, self.limits)
+            if problem is not None:
+                return f"the task of item {index} cannot be sent: {problem}"
+        return None
+
     def dispatch(self, name: str, stage: Mapping[str, Any], attempt: int) -> None:
         try:
-            payload = self._bind_input(name, stage)
+            payload = self.bind_input(name, stage)
         except BindingError as exc:
             self.fail_to_start(name, stage, str(exc))
             return
         previous = self.stage(name)
         fence = ids.stage_fence(self.run.epoch, attempt)
+        task = self.stage_task(name, stage, attempt, fence, payload, None)
+        problem = sizes.too_big(task.body, self.limits)
+        if problem is not None:
+            self.fail_to_start(name, stage, f"the task cannot be sent: {problem}")
+            return
         self.expect(Key("stage", name), "fence", previous.fence if previous else None)
         self.set_stage(name, StageRecord(StageStatus.DISPATCHED, attempt, fence))
-        self._send_task(name, stage, attempt, fence, payload)
+        self.outgoing.append(task)
         self.record("stage.dispatched", name, attempt, queue=stage["queue"])
         if stage.get("queue_deadline_ms"):
             self.set_timer(Clock.QUEUE, name, fence, stage["queue_deadline_ms"])
 
-    def _send_task(
-        self,
-        name: str,
-        stage: Mapping[str, Any],
-        attempt: int,
-        fence: str,
-        payload: Any,
-        *,
-        item: int | None = None,
-    ) -> None:
-        self.outgoing.append(self._stage_task(name, stage, attempt, fence, payload, item))
-
-    def _stage_task(
+    def stage_task(
         self, name: str, stage: Mapping[str, Any], attempt: int, fence: str, payload: Any, item: int | None
     ) -> Outgoing:
         report = None
         if item is None and clocks.needs_acceptance(stage):
             # the worker reports acceptance, and heartbeats at a third of the timeout
             report = {"accept": True, "heartbeat_ms": stage.get("heartbeat_timeout_ms")}
-        # A stage task's id names its item (empty for a single task), and the item's attempt once it is
-        # retried, as a map keeps its fence while its items retry.
-        id_part = "" if item is None else (item if attempt == 1 else f"{item}@{attempt}")
         ref = stage.get("action") or stage["worker"]
+        id_part = ids.item_part(item, attempt)
         return self.task(
             name, ref, stage["queue"], attempt, fence, payload, item=item, id_parts=(id_part,), report=report
         )
@@ -381,7 +403,7 @@ class Step:
         """A task message for contract ``ref``: its id is a pure function of run, label, fence and
         ``id_parts``, so building it again (a relay, a nudge) gives the same message, and it is the
         idempotency key."""
-        message_id = ids.message_id("task", self.run.run_id, label, fence, *id_parts)
+        message_id = ids.task_id(self.run.run_id, label, fence, *id_parts)
         body = {
             "run_id": self.run.run_id,
             "shard": self.run.shard,
@@ -401,14 +423,14 @@ class Step:
 
     def resend_task(self, name: str, stage: Mapping[str, Any], rec: StageRecord) -> Outgoing:
         """The current attempt's task again: same id, fence and input (the reconciler's nudge)."""
-        return self._stage_task(name, stage, rec.attempt, rec.fence, self._bind_input(name, stage), None)
+        return self.stage_task(name, stage, rec.attempt, rec.fence, self.bind_input(name, stage), None)
 
     def retry_item(
         self, name: str, stage: Mapping[str, Any], rec: StageRecord, item: int, failed: int
     ) -> None:
         """A map item failed and may pass on another attempt: only it runs again, after its backoff; the
         map's other items and its fence are untouched."""
-        label = f"{name}#{item}"
+        label = ids.item_label(name, item)
         delay = clocks.backoff_ms(stage["retry"], self.run.run_id, label, failed)
         self.write(Key("item", f"{name}:{item}"), attempt=str(failed + 1))
         self.set_timer(Clock.RETRY, label, rec.fence, delay)
@@ -419,14 +441,33 @@ class Step:
     ) -> None:
         try:
             items = bind(stage["items"], self.variables(), None, f"{name}.items")
-            payload = self._bind_input(name, stage, item=items[item], index=item)
+            payload = self.bind_input(name, stage, item=items[item], index=item)
         except (BindingError, IndexError, TypeError) as exc:  # the items changed: nothing to retry
-            self.set_stage(name, StageRecord(StageStatus.FAILED, rec.attempt, rec.fence, error=str(exc)))
-            self.record("stage.failed", name, attempt, item=item, error=str(exc), reason="binding")
-            self.enter(name, stage["on_failure"], "failed", str(exc))
+            self._fail_item_dispatch(name, stage, rec, item, attempt, str(exc), "binding")
             return
-        self._send_task(name, stage, attempt, rec.fence, payload, item=item)
+        task = self.stage_task(name, stage, attempt, rec.fence, payload, item)
+        problem = sizes.too_big(task.body, self.limits)
+        if problem is not None:
+            error = f"the task cannot be sent: {problem}"
+            self._fail_item_dispatch(name, stage, rec, item, attempt, error, "size")
+            return
+        self.outgoing.append(task)
         self.record("item.dispatched", name, attempt, item=item)
+
+    def _fail_item_dispatch(
+        self,
+        name: str,
+        stage: Mapping[str, Any],
+        rec: StageRecord,
+        item: int,
+        attempt: int,
+        error: str,
+        reason: str,
+    ) -> None:
+        """A retried item cannot be dispatched: the map fails (another attempt would meet the same)."""
+        self.set_stage(name, StageRecord(StageStatus.FAILED, rec.attempt, rec.fence, error=error))
+        self.record("stage.failed", name, attempt, item=item, error=error, reason=reason)
+        self.enter(name, stage["on_failure"], "failed", error)
 
     def fail_attempt(
         self,
@@ -464,6 +505,7 @@ class Step:
     # ---- intent, finalisers, end -------------------------------------------------------------------
 
     def set_intent(self, intent: Intent, reason: str | None) -> None:
+        reason = sizes.bounded(reason) if reason else reason
         if intent is Intent.COMPLETED and self.plan.get("output") is not None:
             try:
                 output = bind(self.plan["output"], self.variables(), None, "output")
@@ -489,10 +531,13 @@ class Step:
         """Undo what the failed run completed: stages that declare ``compensate``, newest first, one at a
         time, before the finalisers. The order is fixed now and stored, so it never changes mid-way."""
         done = []
-        for name in set(self.run.stages) | set(self.overlay):
+        for name, stage in self.plan["stages"].items():
+            if not stage.get("compensate"):
+                continue
             rec = self.stage(name)
-            stage = self.plan["stages"].get(name, {})
-            if rec is not None and rec.status is StageStatus.COMPLETED and stage.get("compensate"):
+            # the order holds only for the stages as read: one completing meanwhile conflicts
+            self.expect(Key("stage", name), "status", rec.status.value if rec else None)
+            if rec is not None and rec.status is StageStatus.COMPLETED:
                 done.append((rec.completed_at or 0, name))
         order = [name for _, name in sorted(done, reverse=True)]
         if not order:
@@ -503,20 +548,27 @@ class Step:
         self.start_compensation(order, 0)
 
     def start_compensation(self, order: list[str] | tuple[str, ...], index: int) -> None:
-        if index >= len(order):
-            self.start_finaliser(0)
-            return
-        self.write(RUN, compensation_index=str(index), phase="compensating")
-        task = self.compensation_task(order[index], index)
-        self.outgoing.append(task)
-        self.record("compensation.dispatched", task.body["stage"], contract=task.body["contract"])
+        """Dispatch compensation ``index`` (or, past the last, the finalisers). One whose task cannot be
+        sent fails like any compensation, and the next one runs."""
+        for position in range(index, len(order)):
+            self.write(RUN, compensation_index=str(position), phase="compensating")
+            task = self.compensation_task(order[position], position)
+            self.record("compensation.dispatched", task.body["stage"], contract=task.body["contract"])
+            problem = sizes.too_big(task.body, self.limits)
+            if problem is None:
+                self.outgoing.append(task)
+                return
+            self.write(RUN, compensation_failed="1")
+            error = f"its task cannot be sent: {problem}"
+            self.record("compensation.failed", task.body["stage"], error=error)
+        self.start_finaliser(0)
 
     def compensation_task(self, name: str, index: int) -> Outgoing:
         """The task undoing stage ``name`` (the same message whenever it is built)."""
         stage = self.plan["stages"][name]
         rec = self.stage(name)
         try:
-            bound_input = self._bind_input(name, stage)  # the same input the stage was given
+            bound_input = self.bind_input(name, stage)  # the same input the stage was given
         except BindingError:
             bound_input = {}
         undo_input = {
@@ -527,9 +579,8 @@ class Step:
         }
         fence = ids.compensation_fence(self.run.epoch, index)
         ref = stage["compensate"]
-        return self.task(
-            f"compensate:{name}", ref, self.plan["contracts"][ref]["queue"], 1, fence, undo_input
-        )
+        label = ids.compensation_label(name)
+        return self.task(label, ref, self.plan["contracts"][ref]["queue"], 1, fence, undo_input)
 
     def _cancel_active(self) -> None:
         names = set(self.run.stages) | set(self.overlay)
@@ -538,6 +589,9 @@ class Step:
             stage = self.plan["stages"].get(name, {})
             if rec is None or rec.status not in CANCELLABLE:
                 continue
+            # cancel the attempt that was read; one that ended meanwhile conflicts (decided again)
+            self.expect(Key("stage", name), "fence", rec.fence)
+            self.expect(Key("stage", name), "status", rec.status.value)
             self.clear_attempt_clocks(name, rec.fence)
             if rec.status is StageStatus.RETRY_SCHEDULED:
                 self.clear_timer(Clock.RETRY, name, rec.fence)
@@ -561,13 +615,21 @@ class Step:
         )
 
     def start_finaliser(self, index: int) -> None:
+        """Dispatch finaliser ``index`` (or, past the last, finish). One whose task cannot be sent fails
+        like any finaliser, and the next one runs: every finaliser is attempted."""
         finalisers = self.plan.get("finalisers") or []
-        if index >= len(finalisers):
-            self.finish()
-            return
-        self.write(RUN, finaliser_index=str(index), phase="finalising")
-        self.outgoing.append(self.finaliser_task(index))
-        self.record("finaliser.dispatched", f"finaliser:{index}", contract=finalisers[index])
+        for position in range(index, len(finalisers)):
+            self.write(RUN, finaliser_index=str(position), phase="finalising")
+            task = self.finaliser_task(position)
+            label = ids.finaliser_label(position)
+            self.record("finaliser.dispatched", label, contract=finalisers[position])
+            problem = sizes.too_big(task.body, self.limits)
+            if problem is None:
+                self.outgoing.append(task)
+                return
+            self.write(RUN, finaliser_failed="1")
+            self.record("finaliser.failed", label, error=f"its task cannot be sent: {problem}")
+        self.finish()
 
     def finaliser_task(self, index: int) -> Outgoing:
         """Finaliser ``index``'s task (the same message whenever it is built: a re-send is a duplicate)."""
@@ -581,7 +643,8 @@ class Step:
         }
         fence = ids.finaliser_fence(self.run.epoch, index)
         ref = self.plan["finalisers"][index]
-        return self.task(f"finaliser:{index}", ref, self.plan["contracts"][ref]["queue"], 1, fence, run_input)
+        label = ids.finaliser_label(index)
+        return self.task(label, ref, self.plan["contracts"][ref]["queue"], 1, fence, run_input)
 
     def finish(self) -> None:
         intent = self.intent or self.run.intent
@@ -592,31 +655,41 @@ class Step:
         if self.plan.get("run_deadline_ms"):
             self.clear_timer(Clock.RUN, "", ids.run_fence(self.run.epoch))
         written = self.writes.get(RUN, {}).get("output")
-        output = json.loads(written) if written else self.run.output
+        body = {
+            "run_id": self.run.run_id,
+            "definition": self.plan["name"],
+            "state": status.value,
+            "output": json.loads(written) if written else self.run.output,
+            "reason": self.reason or self.run.reason,
+        }
+        if sizes.too_big(body, self.limits) is not None:
+            # the run's record keeps the output; the event says where to read it rather than not arrive
+            omitted = f"too large for a message; read it with 'saga status {self.run.run_id}'"
+            body.update(output=None, output_omitted=omitted)
         self.outgoing.append(
             Outgoing(
                 ids.message_id("event", self.run.run_id, status.value, self.run.epoch),
                 "run.finished",
                 ("events", f"run.{status.value}.{self.plan['name']}"),
-                {
-                    "run_id": self.run.run_id,
-                    "definition": self.plan["name"],
-                    "state": status.value,
-                    "output": output,
-                    "reason": self.reason or self.run.reason,
-                },
+                body,
             )
         )
         self.finished = True
 
 
-def rejection(verdict: Verdict, why: str, stage: str | None, attempt: int | None = None) -> HistoryEntry:
-    return HistoryEntry("callback.rejected", stage, attempt, {"reason": verdict.value, "detail": why})
+def rejection(
+    verdict: Verdict, why: str, stage: str | None, attempt: int | None = None, **extra: str
+) -> HistoryEntry:
+    detail = {"reason": verdict.value, "detail": why, **extra}
+    return HistoryEntry("callback.rejected", stage, attempt, detail)
 
 
-def rejected(verdict: Verdict, why: str, stage: str | None, attempt: int | None = None) -> Decision:
-    """An event that changes nothing: recorded in history with its reason."""
-    return Decision(verdict=verdict, history=(rejection(verdict, why, stage, attempt),))
+def rejected(
+    verdict: Verdict, why: str, stage: str | None, attempt: int | None = None, **extra: str
+) -> Decision:
+    """An event that changes nothing: recorded in history with its reason (``extra``: what lets its
+    sender find the answer, such as an operator request's id)."""
+    return Decision(verdict=verdict, history=(rejection(verdict, why, stage, attempt, **extra),))
 
 
 def context_problems(plan: Mapping[str, Any], context: Mapping[str, Any]) -> list[str]:

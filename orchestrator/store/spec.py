@@ -35,6 +35,8 @@ def field_name(key: Key, name: str) -> str:
         return f"s:{key.name}:{name}"
     if key.kind == "item":
         return f"i:{key.name}"  # one field per retried map item: its current attempt
+    if key.kind == "counter":
+        return counter_field(key.name)
     raise ValueError(f"no hash field for {key}")
 
 
@@ -126,9 +128,12 @@ def snapshot_from_record(record: Mapping[str, str], map_results: Mapping[str, li
     """Build the engine's snapshot from the flat run hash."""
     stage_fields: dict[str, dict[str, str]] = {}
     item_attempts: dict[str, int] = {}
+    counters: dict[str, int] = {}
     for name, value in record.items():
         if name.startswith("i:"):
             item_attempts[name[2:]] = int(value)
+        elif name.startswith("b:"):
+            counters[name[2:]] = int(value)
         elif name.startswith("s:"):
             stage, _, field = name[2:].rpartition(":")
             stage_fields.setdefault(stage, {})[field] = value
@@ -165,6 +170,7 @@ def snapshot_from_record(record: Mapping[str, str], map_results: Mapping[str, li
         output=json.loads(record["output"]) if "output" in record else None,
         stages=stages,
         map_results=map_results,
+        barriers=counters,
     )
 
 

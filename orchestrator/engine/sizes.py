@@ -1,0 +1,64 @@
+"""How big the messages a transition causes may be, measured before they are committed. Pure.
+
+Every process refuses a message over ``max_message_bytes`` before reading it (the envelope check), so a
+transition must never commit a message that its reader will refuse: the run would wait for an answer
+that cannot come. The engine measures each body it builds; the envelope around a body (identity fields
+again, key id, signature) is bounded, and :data:`ENVELOPE_MARGIN_BYTES` covers it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+DEFAULT_MAX_MESSAGE_BYTES = 1_048_576
+# What an envelope adds to its body: field names, the identity fields repeated outside the body (run id
+# up to 128 bytes, message id up to 200, stage label, fence, digest, contract, tenant and key id up to
+# 64 each), issued-at and the 64-character signature. About 1,050 bytes for the largest legal identity
+# (tests/unit/test_engine_sizes.py measures it); the rest is headroom.
+ENVELOPE_MARGIN_BYTES = 2048
+# Error texts and reasons are kept (history, the run's reason, finaliser inputs) and travel again, so
+# one worker's 10 MB traceback must not become every later message's problem.
+MAX_ERROR_CHARS = 2000
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The runtime limits a transition must respect (from ``Settings``, passed in: the engine reads no
+    configuration)."""
+
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+
+    @property
+    def max_body_bytes(self) -> int:
+        """The largest message body that still fits once enveloped."""
+        return self.max_message_bytes - ENVELOPE_MARGIN_BYTES
+
+
+DEFAULT_LIMITS = Limits()
+
+
+def body_bytes(body: Mapping[str, Any]) -> int:
+    """The UTF-8 size of ``body`` as the publisher serialises it (compact, non-ASCII kept as is)."""
+    return len(json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode())
+
+
+def too_big(body: Mapping[str, Any], limits: Limits) -> str | None:
+    """Why ``body`` cannot be sent (None: it fits)."""
+    size = body_bytes(body)
+    if size <= limits.max_body_bytes:
+        return None
+    return (
+        f"its message would be {size:,} bytes, over the {limits.max_body_bytes:,}-byte limit for a "
+        f"message body (SAGA_MAX_MESSAGE_BYTES {limits.max_message_bytes:,} less "
+        f"{ENVELOPE_MARGIN_BYTES} for the envelope)"
+    )
+
+
+def bounded(text: str, limit: int = MAX_ERROR_CHARS) -> str:
+    """``text`` cut to ``limit`` characters, saying how much was cut."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... [{len(text) - limit:,} more characters cut]"
