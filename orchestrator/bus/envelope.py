@@ -36,25 +36,35 @@ class Kind(StrEnum):
     REDRIVE = "redrive"  # operator -> shard: resume a failed run in a new epoch
 
 
+# Identity fields travel as AMQP properties and routing keys (short strings of at most 255 bytes) and
+# inside Redis keys and timer members, so their alphabet and length are bounded here, where every
+# message comes in, rather than failing later in a client library or a key. A run id is chosen by the
+# client: 1-128 letters, digits and ``._:-``.
+RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
+MESSAGE_ID_PATTERN = r"^[\x21-\x7e]{1,200}$"  # printable ASCII, no spaces
+SHARD_PATTERN = r"^([a-z][a-z0-9_-]{0,31}\.[0-9]{1,5})?$"  # <class>.<number>, or empty (a start)
+MAX_COUNT = 2**31 - 1  # attempts and map items
+
+
 class Envelope(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     kind: Kind
-    message_id: str = Field(min_length=1, max_length=200)
-    run_id: str = Field(min_length=1, max_length=200)
-    shard: str = ""
-    stage: str | None = None
-    attempt: int | None = None
-    fence: str | None = None
-    item: int | None = None
-    digest: str = ""
-    contract: str | None = None  # name@version: the contract (and so result schema) version
-    deadline_ms: int | None = None
-    tenant: str = "default"
-    issued_at_ms: int = 0
-    key_id: str = ""
+    message_id: str = Field(pattern=MESSAGE_ID_PATTERN)
+    run_id: str = Field(pattern=RUN_ID_PATTERN)
+    shard: str = Field("", pattern=SHARD_PATTERN)
+    stage: str | None = Field(None, max_length=200)
+    attempt: int | None = Field(None, ge=0, le=MAX_COUNT)
+    fence: str | None = Field(None, max_length=64)
+    item: int | None = Field(None, ge=0, le=MAX_COUNT)
+    digest: str = Field("", max_length=128)
+    contract: str | None = Field(None, max_length=200)  # name@version: the contract (and result schema)
+    deadline_ms: int | None = Field(None, ge=0)
+    tenant: str = Field("default", max_length=64)
+    issued_at_ms: int = Field(0, ge=0)
+    key_id: str = Field("", max_length=64)
     body: dict[str, Any] = Field(default_factory=dict)
-    signature: str = ""
+    signature: str = Field("", max_length=128)
 
 
 class EnvelopeRejected(SagaError):

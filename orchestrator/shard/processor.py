@@ -8,7 +8,6 @@ then sees the newer state (typically: a duplicate or a late callback, recorded a
 
 from __future__ import annotations
 
-import json
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -18,22 +17,17 @@ from orchestrator.bus.envelope import Envelope, Kind
 from orchestrator.engine import advance, clocks
 from orchestrator.engine.model import (
     BarrierReleased,
-    CancelRun,
-    CompensationResult,
     Decision,
     Event,
-    FinaliserResult,
     Nudge,
     Outgoing,
-    Redrive,
     RunSnapshot,
-    StageAccepted,
-    StageHeartbeat,
-    StageResult,
     StartRun,
     TimerFired,
     Verdict,
 )
+from orchestrator.engine.sizes import DEFAULT_LIMITS, Limits
+from orchestrator.shard.events import start_body, to_event
 from orchestrator.store.redis_store import APPLIED, CONFLICT, NO_RUN, PlanNotFound, RedisStore
 
 # Kinds that continue an existing run on its shard (everything but a start).
@@ -55,9 +49,12 @@ class Outcome:
 
 
 class Processor:
-    def __init__(self, store: RedisStore, clock_ms: Callable[[], int]) -> None:
+    def __init__(
+        self, store: RedisStore, clock_ms: Callable[[], int], limits: Limits = DEFAULT_LIMITS
+    ) -> None:
         self.store = store
         self.clock_ms = clock_ms
+        self.limits = limits
 
     async def handle_batch(self, shard: str, envelopes: list[Envelope]) -> list[Outcome]:
         """Handle a batch with few round trips: runs advance in rounds (a run's own messages stay in
@@ -88,9 +85,9 @@ class Processor:
         work: list[tuple[int, Event, dict[str, Any] | None, str | None]] = []
         work += await self._claimed_starts(shard, starts, envelopes, outcomes)
         for i in continues:
-            event = _event(envelopes[i])
-            if event is None:
-                outcomes[i] = await self.handle(shard, envelopes[i])  # refused there, with the reason
+            event = to_event(envelopes[i])
+            if isinstance(event, str):
+                outcomes[i] = Outcome(rejected=("malformed", event))
             else:
                 work.append((i, event, None, None))
         if not work:
@@ -106,7 +103,7 @@ class Processor:
             if plan is None or digest is None or (start_plan is None and _needs_map_results(event, plan)):
                 outcomes[i] = await self.handle(shard, envelopes[i])  # the careful path handles it
                 continue
-            ready.append((i, event, plan, advance(plan, digest, snapshot, event, now)))
+            ready.append((i, event, plan, advance(plan, digest, snapshot, event, now, self.limits)))
         await self._apply_ready(shard, ready, envelopes, outcomes, now)
 
     async def _claimed_starts(
@@ -116,13 +113,12 @@ class Processor:
         path (which resolves the active version, or refuses with the reason)."""
         candidates = []
         for i in starts:
-            body = envelopes[i].body
-            digest, context = body.get("digest"), body.get("context", {})
-            if not isinstance(digest, str) or not digest or not isinstance(context, dict):
+            body = start_body(envelopes[i])
+            if isinstance(body, str) or not body.digest:
                 outcomes[i] = await self.handle(shard, envelopes[i])
                 continue
             try:
-                candidates.append((i, await self.store.plan(digest), digest, context))
+                candidates.append((i, await self.store.plan(body.digest), body.digest, body.context))
             except PlanNotFound as exc:
                 outcomes[i] = Outcome(rejected=("unknown-definition", str(exc)))
         owners = await self.store.claim_many([envelopes[i].run_id for i, *_ in candidates], shard)
@@ -171,15 +167,12 @@ class Processor:
         return Outcome(rejected=("wrong-kind", f"{envelope.kind.value} messages are not for shard queues"))
 
     async def _start(self, shard: str, envelope: Envelope) -> Outcome:
-        body = envelope.body
-        definition = body.get("definition")
-        context = body.get("context", {})
-        if not isinstance(definition, str) or not isinstance(context, dict):
-            return Outcome(
-                rejected=("malformed", "a start names 'definition' (string) and 'context' (object)")
-            )
+        body = start_body(envelope)
+        if isinstance(body, str):
+            return Outcome(rejected=("malformed", body))
+        context = body.context
         try:
-            digest = body.get("digest") or await self.store.active_digest(definition)
+            digest = body.digest or await self.store.active_digest(body.definition)
             plan = await self.store.plan(digest)
         except PlanNotFound as exc:
             return Outcome(rejected=("unknown-definition", str(exc)))
@@ -190,21 +183,25 @@ class Processor:
         return await self._decide(shard, envelope.run_id, event, plan, digest, None)
 
     async def _continue(self, shard: str, envelope: Envelope) -> Outcome:
+        event = to_event(envelope)
+        if isinstance(event, str):
+            return Outcome(rejected=("malformed", event))
         loaded = await self._load(shard, envelope.run_id)
         if loaded is None:
-            owner = await self.store.owner(envelope.run_id)
-            if owner is not None and owner != shard:
-                return Outcome(forward_to=owner)
-            return Outcome(rejected=("unknown-run", f"run {envelope.run_id} does not exist on {shard}"))
-        event = _event(envelope)
-        if event is None:
-            return Outcome(
-                rejected=(
-                    "malformed",
-                    f"a {envelope.kind.value} must name stage, fence (and a result its digest)",
-                )
-            )
+            return await self._not_here(shard, envelope)
         return await self._continue_with(shard, envelope.run_id, event, *loaded)
+
+    async def _not_here(self, shard: str, envelope: Envelope) -> Outcome:
+        """A continue for a run this shard does not hold. Only a message that names no shard is passed
+        on to the run's owner: one that names this shard names the wrong one, and passing it on would
+        send it back and forth between the two shards for ever."""
+        owner = await self.store.owner(envelope.run_id)
+        if owner is not None and owner != shard:
+            if not envelope.shard:
+                return Outcome(forward_to=owner)
+            why = f"run {envelope.run_id} lives on shard {owner}, not on {shard}, which the message names"
+            return Outcome(rejected=("wrong-shard", why))
+        return Outcome(rejected=("unknown-run", f"run {envelope.run_id} does not exist on {shard}"))
 
     async def fire_timer(self, shard: str, member: str) -> Outcome:
         """A due timer of this shard: the engine decides what it means, the transition claims it."""
@@ -257,7 +254,7 @@ class Processor:
                 else await self.store.snapshot(shard, run_id, map_stage)
             )
             now = self.clock_ms()
-            decision = advance(plan, digest, snapshot, event, now)
+            decision = advance(plan, digest, snapshot, event, now, self.limits)
             if snapshot is None and not decision.create:
                 return Outcome(
                     rejected=("unknown-run", f"run {run_id} does not exist"), verdict=decision.verdict
@@ -286,7 +283,7 @@ def _take(queue: deque[int], envelopes: list[Envelope]) -> list[int]:
 
 
 def _is_item_success(envelope: Envelope) -> bool:
-    return envelope.kind is Kind.RESULT and envelope.item is not None and bool(envelope.body.get("ok"))
+    return envelope.kind is Kind.RESULT and envelope.item is not None and envelope.body.get("ok") is True
 
 
 def _needs_map_results(event: Event, plan: dict[str, Any]) -> bool:
@@ -302,58 +299,3 @@ def _to_publish(decision: Decision, code: int, detail: str) -> list[Outgoing]:
     if decision.arrival is not None and detail == "0":
         messages.append(decision.arrival.release)  # this arrival was the last: release the successor
     return messages
-
-
-def _event(envelope: Envelope) -> Event | None:
-    body = envelope.body
-    if envelope.kind in (Kind.CANCEL_RUN, Kind.REDRIVE):
-        reason, by = str(body.get("reason", ""))[:500], str(body.get("requested_by", ""))[:200]
-        request = CancelRun if envelope.kind is Kind.CANCEL_RUN else Redrive
-        return request(envelope.message_id, reason, by)
-    if envelope.stage is None or envelope.fence is None:
-        return None
-    if envelope.kind in (Kind.ACCEPTED, Kind.HEARTBEAT):
-        kind = StageAccepted if envelope.kind is Kind.ACCEPTED else StageHeartbeat
-        attempt = envelope.attempt or 0
-        return kind(envelope.message_id, envelope.stage, attempt, envelope.fence, envelope.digest)
-    if envelope.kind is Kind.RESULT and not envelope.digest:
-        return None  # a result names the plan its task was dispatched under (invariant 5)
-    if envelope.kind is Kind.RELEASE:
-        return BarrierReleased(envelope.message_id, envelope.stage, envelope.fence)
-    ok = bool(body.get("ok"))
-    error = body.get("error")
-    error_text = error if isinstance(error, str) or error is None else json.dumps(error)
-    if envelope.stage.startswith("compensate:"):
-        index = envelope.fence.rpartition(".c")[2]
-        if not index.isdigit():
-            return None
-        name = envelope.stage.partition(":")[2]
-        return CompensationResult(
-            envelope.message_id, name, int(index), envelope.fence, ok, error_text, envelope.digest
-        )
-    if envelope.stage.startswith("finaliser:"):
-        index = envelope.stage.partition(":")[2]
-        if not index.isdigit():
-            return None
-        return FinaliserResult(
-            envelope.message_id,
-            int(index),
-            envelope.fence,
-            ok,
-            body.get("result"),
-            error_text,
-            envelope.digest,
-        )
-    return StageResult(
-        envelope.message_id,
-        envelope.stage,
-        envelope.attempt or 0,
-        envelope.fence,
-        ok,
-        body.get("result"),
-        error_text,
-        envelope.item,
-        envelope.digest,
-        retryable=body.get("retryable") is not False,
-        cancelled=body.get("cancelled") is True,
-    )

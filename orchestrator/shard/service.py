@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import aio_pika
+import aiormq
 from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractRobustConnection
 from aiormq.exceptions import ChannelInvalidStateError
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -31,6 +32,7 @@ from orchestrator.bus import names
 from orchestrator.bus.envelope import Envelope, EnvelopeRejected, Signer, decode
 from orchestrator.bus.publisher import Publisher, envelope_for
 from orchestrator.engine.model import Outgoing
+from orchestrator.engine.sizes import Limits
 from orchestrator.reconcile import Reconciler
 from orchestrator.shard.processor import Outcome, Processor
 from orchestrator.store.redis_store import RedisStore
@@ -92,7 +94,7 @@ class ShardService:
     _stopping: asyncio.Event = field(default_factory=asyncio.Event)
 
     def __post_init__(self) -> None:
-        self.processor = Processor(self.store, self.clock_ms)
+        self.processor = Processor(self.store, self.clock_ms, Limits(self.options.max_message_bytes))
 
     def stop(self) -> None:
         """Finish the batch in hand, stop consuming, close: SIGTERM drains."""
@@ -273,8 +275,17 @@ class ShardService:
         for delivery in deliveries:
             outcome = delivery.outcome
             if outcome is not None and outcome.forward_to and delivery.envelope is not None:
-                await publisher.publish_envelope(delivery.envelope, names.RUNS_EXCHANGE, outcome.forward_to)
-            elif outcome is not None and outcome.rejected:
+                try:
+                    await publisher.publish_envelope(
+                        delivery.envelope, names.RUNS_EXCHANGE, outcome.forward_to
+                    )
+                    continue
+                except aiormq.exceptions.PublishError:
+                    # no queue for that shard: returning the delivery would only bring it back (and
+                    # every healthy message of its batch with it), so it is refused with the reason
+                    why = f"it is for shard {outcome.forward_to}, which has no queue"
+                    outcome = Outcome(rejected=("unroutable", why))
+            if outcome is not None and outcome.rejected:
                 reason, detail = outcome.rejected
                 await publisher.reject(
                     delivery.message.body,
@@ -355,6 +366,13 @@ class ShardService:
     async def _relay(self, shard: str, publisher: Publisher) -> None:
         """Re-publish outbox entries committed but never confirmed (a crash between commit and publish)."""
         report = await self._reconciler(publisher).outbox(shard, self.clock_ms(), dry_run=False)
+        if report.undeliverable:
+            log.error(
+                "shard %s: outbox entries %s are over SAGA_MAX_MESSAGE_BYTES and were not sent; their runs "
+                "were nudged to fail the steps that needed them",
+                shard,
+                report.undeliverable,
+            )
         if report.unsent:
             log.info(
                 "shard %s: relay re-published %d of %d unsent outbox entries",
