@@ -24,6 +24,7 @@ from orchestrator.bus.envelope import Signer
 from orchestrator.bus.publisher import Publisher
 from orchestrator.client import Client, RunNotFound, WaitTimeout
 from orchestrator.durability import DurabilityRefused, Role, check_startup
+from orchestrator.engine.sizes import Limits
 from orchestrator.errors import SagaError
 from orchestrator.provision import publish_plans
 from orchestrator.reconcile import Reconciler, Report
@@ -336,13 +337,24 @@ def cancel(run_id: str, reason: str, wait_s: float | None, as_json: bool) -> Non
 @click.option("--state", default="failed", show_default=True, help="With --all: runs in this state.")
 @click.option("--definition", default=None, help="With --all: runs of this definition only.")
 @click.option("--reason", default="", help="Why: recorded in the run's history.")
+@click.option(
+    "--wait", "wait_s", type=float, default=None, help="Also wait up to S seconds for the new epoch to end."
+)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def redrive(
-    run_id: str | None, bulk: bool, state: str, definition: str | None, reason: str, as_json: bool
+    run_id: str | None,
+    bulk: bool,
+    state: str,
+    definition: str | None,
+    reason: str,
+    wait_s: float | None,
+    as_json: bool,
 ) -> None:
     """Resume a failed run (or, with --all, every matching one) in a new epoch on its pinned plan:
     completed stages keep their results; failed, cancelled, timed-out and compensated stages run again;
-    finalisers run once more. Exit 0 once the requests are with the broker."""
+    finalisers run once more. Prints what the run's orchestrator did with each request: 'redriven
+    (epoch N)', or why it refused. Exit 0 when every request was applied (and, with --wait, every run
+    completed), 1 otherwise."""
     if bulk == (run_id is not None):
         raise click.UsageError("name one RUN, or use --all (with --state and --definition)")
     if bulk and state != "failed":
@@ -350,20 +362,43 @@ def redrive(
     settings = _settings()
     requested_by = f"{getpass.getuser()}@{socket.gethostname()}"
 
-    async def go() -> list[str]:
+    async def go() -> list[dict[str, Any]]:
         async with Client(settings) as client:
             chosen = [run_id] if run_id else await _failed_runs(settings, definition)
-            for one in chosen:
-                await client.redrive(one, reason, requested_by)
-            return chosen
+            requests = [(one, await client.redrive(one, reason, requested_by)) for one in chosen]
+            return [await _redrive_report(client, one, request, wait_s) for one, request in requests]
 
-    chosen = _run(go())
+    reports = _run(go())
     if as_json:
-        _emit({"requested": chosen})
+        _emit({"runs": reports})
     else:
-        click.echo(f"re-drive requested for {len(chosen)} run(s)")
-        for one in chosen:
-            click.echo(f"  {one}")
+        for report in reports:
+            click.echo(_redrive_line(report), err=not report["redriven"])
+        if bulk:
+            click.echo(f"{sum(r['redriven'] for r in reports)} of {len(reports)} run(s) re-driven")
+    ok = all(r["redriven"] and r.get("state", "completed") == "completed" for r in reports)
+    sys.exit(0 if ok else 1)
+
+
+async def _redrive_report(client: Client, run_id: str, request: str, wait_s: float | None) -> dict[str, Any]:
+    answer = await client.answer(run_id, request, timeout_s=REQUEST_ANSWER_S)
+    report: dict[str, Any] = {"run_id": run_id, "request": request, "redriven": answer.applied}
+    if not answer.applied:
+        return {**report, "refused": answer.why}
+    report["epoch"] = answer.epoch
+    if wait_s is not None:
+        result = await client.wait(run_id, timeout_s=wait_s)
+        report.update(state=result.state, reason=result.reason)
+    return report
+
+
+def _redrive_line(report: dict[str, Any]) -> str:
+    if not report["redriven"]:
+        return f"error: re-drive of {report['run_id']} refused: {report['refused']}"
+    line = f"{report['run_id']} redriven (epoch {report['epoch']})"
+    if "state" in report:
+        line += f": {report['state']}" + (f" ({report['reason']})" if report.get("reason") else "")
+    return line
 
 
 async def _failed_runs(settings: Settings, definition: str | None) -> list[str]:
@@ -393,7 +428,7 @@ def reconcile(dry_run: bool, min_age_s: float, stranded_after_s: float, as_json:
             signer = Signer.from_settings(settings.signing_keys)
             reconciler = Reconciler(
                 store,
-                Processor(store, lambda: int(time.time() * 1000)),
+                Processor(store, lambda: int(time.time() * 1000), Limits(settings.max_message_bytes)),
                 Publisher(channel, signer),
                 min_age_ms=int(min_age_s * 1000),
                 stranded_after_ms=int(stranded_after_s * 1000),
@@ -413,7 +448,8 @@ def reconcile(dry_run: bool, min_age_s: float, stranded_after_s: float, as_json:
         return
     verb = "found" if dry_run else "repaired"
     click.echo(
-        f"{verb}: {len(report.unsent)} unsent outbox entries ({len(report.republished)} re-published), "
+        f"{verb}: {len(report.unsent)} unsent outbox entries ({len(report.republished)} re-published, "
+        f"{len(report.undeliverable)} too large to send), "
         f"{len(report.stranded)} stranded runs ({len(report.nudged)} nudged), "
         f"{len(report.orphan_claims)} claims without a run ({len(report.dropped_claims)} dropped)"
     )
@@ -494,6 +530,11 @@ async def _list_runs(settings: Settings, state: str | None) -> list[dict[str, An
 
 def _clock(at_ms: int) -> str:
     return datetime.fromtimestamp(at_ms / 1000, UTC).strftime("%H:%M:%S.%f")[:-3]
+
+
+# How long a request waits for its orchestrator's answer (recorded in the run's history) before the CLI
+# says that none came; the request itself stays queued.
+REQUEST_ANSWER_S = 30.0
 
 
 def _run(coro: Any) -> Any:

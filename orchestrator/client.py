@@ -13,7 +13,7 @@ import json
 import time
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aio_pika
@@ -22,7 +22,9 @@ import redis
 
 from orchestrator.bus import names
 from orchestrator.bus.envelope import Envelope, Kind, Signer, encode
+from orchestrator.engine.door import start_problems
 from orchestrator.engine.model import TERMINAL_RUN_STATUSES, RunStatus
+from orchestrator.engine.sizes import Limits
 from orchestrator.errors import SagaError
 from orchestrator.settings import Settings, redis_client
 from orchestrator.store.keys import ShardKeys, active_key, index_key, plan_key
@@ -37,6 +39,55 @@ class RunNotFound(SagaError):
     def __init__(self, run_id: str) -> None:
         self.run_id = run_id
         super().__init__(f"run {run_id} not found; it never started or its record has expired")
+
+
+class StartRefused(SagaError):
+    """Raised when a start cannot be sent: its context does not fit the definition's context schema, or
+    it (or a task it would cause) is too large for a message. Nothing was published."""
+
+    def __init__(self, definition: str, problems: list[str]) -> None:
+        self.definition = definition
+        self.problems = problems
+        listed = "\n".join(f"  - {p}" for p in problems)
+        super().__init__(f"start of {definition!r} refused; nothing was sent:\n{listed}")
+
+
+class NoAnswer(SagaError):
+    """Raised when no orchestrator recorded an answer to a request in time; the request still waits on
+    the run's shard queue and will be handled once an orchestrator serves that shard."""
+
+    def __init__(self, run_id: str, request_id: str, shard: str, timeout_s: float) -> None:
+        self.run_id = run_id
+        self.request_id = request_id
+        super().__init__(
+            f"no answer to request {request_id} for run {run_id} within {timeout_s:g} s; it waits on "
+            f"shard {shard}'s queue: is an orchestrator serving {shard}?"
+        )
+
+
+@dataclass(frozen=True)
+class RequestAnswer:
+    """What a run's shard did with an operator's request: ``applied`` (with the recorded detail, such
+    as a re-drive's epoch) or refused with ``why``."""
+
+    request_id: str
+    applied: bool
+    why: str = ""
+    epoch: int | None = None
+
+
+def answer_of(entry: Mapping[str, str], request_id: str) -> RequestAnswer | None:
+    """The answer to ``request_id`` if this history entry records it."""
+    detail = json.loads(entry.get("detail") or "{}")
+    kind = entry.get("kind")
+    if kind == "message.poisoned" and detail.get("message_id") == request_id:
+        return RequestAnswer(request_id, False, f"its transition failed: {detail.get('error')}")
+    if detail.get("request") != request_id:
+        return None
+    if kind == "callback.rejected":
+        return RequestAnswer(request_id, False, str(detail.get("detail", "refused")))
+    epoch = detail.get("epoch")
+    return RequestAnswer(request_id, True, epoch=epoch if isinstance(epoch, int) else None)
 
 
 class WaitTimeout(SagaError):
@@ -122,10 +173,12 @@ ACTIVE_PLAN_TTL_S = 2.0
 
 @dataclass(frozen=True)
 class ActivePlan:
-    """What a start needs of a definition's active version: its digest and shard class."""
+    """What a start needs of a definition's active version: its digest, shard class and plan (whose
+    context schema and inputs a start is checked against before it is sent)."""
 
     digest: str
     shard_class: str
+    plan: Mapping[str, Any] = field(default_factory=dict, compare=False)
 
 
 class ActivePlans:
@@ -160,7 +213,32 @@ def active_plan_from(definition: str, digest: Any, raw_plan: Any) -> ActivePlan:
             f"plan {digest} of {definition!r} is missing from Redis; publish the definition again"
         )
     text = digest.decode() if isinstance(digest, bytes) else str(digest)
-    return ActivePlan(text, str(json.loads(raw_plan)["plan"]["class"]))
+    plan = json.loads(raw_plan)["plan"]
+    return ActivePlan(text, str(plan["class"]), plan)
+
+
+def checked_start(
+    signer: Signer, settings: Settings, plan: ActivePlan, definition: str, run_id: str, context: Any
+) -> Envelope:
+    """The signed start, once it passed the checks the shard would make: a context that fits the
+    definition, and a message (and tasks) that fit ``SAGA_MAX_MESSAGE_BYTES``. Raises StartRefused."""
+    if not isinstance(context, Mapping):
+        raise StartRefused(definition, [f"the context must be a JSON object, not {type(context).__name__}"])
+    limits = Limits(settings.max_message_bytes)
+    problems = start_problems(plan.plan, plan.digest, context, limits) if plan.plan else []
+    if problems:
+        raise StartRefused(definition, problems)
+    envelope = start_envelope(signer, run_id, definition, plan.digest, context)
+    size = len(encode(envelope))
+    if size > limits.max_message_bytes:
+        raise StartRefused(
+            definition,
+            [
+                f"the start message would be {size:,} bytes, over the {limits.max_message_bytes:,}-byte "
+                "limit (SAGA_MAX_MESSAGE_BYTES); pass large data by reference"
+            ],
+        )
+    return envelope
 
 
 def unreachable_without_cache(definition: str, exc: Exception) -> SagaError:
@@ -209,10 +287,12 @@ class Client:
     async def start(
         self, definition: str, context: Mapping[str, Any], idempotency_key: str | None = None
     ) -> str:
-        """Start a run of the active version of ``definition``; returns its run id at once."""
+        """Start a run of the active version of ``definition``; returns its run id at once. Raises
+        StartRefused, before sending anything, for a context the definition refuses or a start too
+        large to be sent."""
         plan = await self._plan_of(definition)
         run_id = run_id_for(definition, idempotency_key)
-        envelope = start_envelope(self.signer, run_id, definition, plan.digest, context)
+        envelope = checked_start(self.signer, self.settings, plan, definition, run_id, context)
         await self._publish(envelope, names.start_exchange(plan.shard_class), run_id)
         return run_id
 
@@ -232,19 +312,22 @@ class Client:
             mandatory=True,
         )
 
-    async def cancel(self, run_id: str, reason: str = "", requested_by: str = "") -> None:
+    async def cancel(self, run_id: str, reason: str = "", requested_by: str = "") -> str:
         """Ask the run's shard to cancel the run: a failed intent with reason ``cancelled``, its active
         stages asked to stop, then its compensations and finalisers. A run that already has an intent is
-        left as it is (the request is recorded as late in its history). Returns once the broker has it."""
-        await self._request(Kind.CANCEL_RUN, run_id, reason, requested_by)
+        left as it is (the request is recorded as late in its history). Returns the request's id once
+        the broker has it."""
+        return await self._request(Kind.CANCEL_RUN, run_id, reason, requested_by)
 
-    async def redrive(self, run_id: str, reason: str = "", requested_by: str = "") -> None:
+    async def redrive(self, run_id: str, reason: str = "", requested_by: str = "") -> str:
         """Ask the run's shard to resume a failed run in a new epoch, on its pinned plan: completed
         stages keep their results, failed, cancelled, timed-out and compensated ones run again. A run
-        that is not failed is left as it is (the request is recorded as invalid in its history)."""
-        await self._request(Kind.REDRIVE, run_id, reason, requested_by)
+        that is not failed, or whose context its definition refuses, is left as it is (the refusal is
+        recorded in its history). Returns the request's id once the broker has it; :meth:`answer`
+        tells what became of it."""
+        return await self._request(Kind.REDRIVE, run_id, reason, requested_by)
 
-    async def _request(self, kind: Kind, run_id: str, reason: str, requested_by: str) -> None:
+    async def _request(self, kind: Kind, run_id: str, reason: str, requested_by: str) -> str:
         shard = await self.redis.get(index_key(self.settings.key_prefix, run_id))
         if shard is None:
             raise RunNotFound(run_id)
@@ -259,6 +342,28 @@ class Client:
             )
         )
         await self._publish(envelope, names.RUNS_EXCHANGE, str(shard))
+        return envelope.message_id
+
+    async def answer(self, run_id: str, request_id: str, timeout_s: float = 30.0) -> RequestAnswer:
+        """What the run's shard did with request ``request_id`` (from :meth:`redrive`), read from the
+        run's history: applied (``run.redriven``), refused with the reason, or poisoned. Raises
+        NoAnswer if nothing is recorded within ``timeout_s`` (the request still waits in the queue)."""
+        shard = await self.redis.get(index_key(self.settings.key_prefix, run_id))
+        if shard is None:
+            raise RunNotFound(run_id)
+        stream = ShardKeys(self.settings.key_prefix, str(shard)).history(run_id)
+        deadline = time.monotonic() + timeout_s
+        after, poll_s = "-", 0.01
+        while time.monotonic() < deadline:
+            rows = await self.redis.xrange(stream, min=after)
+            for entry_id, fields in rows:
+                after = f"({entry_id.decode() if isinstance(entry_id, bytes) else entry_id}"
+                found = answer_of(_text(fields), request_id)
+                if found is not None:
+                    return found
+            await asyncio.sleep(poll_s)
+            poll_s = min(poll_s * 1.5, 0.2)
+        raise NoAnswer(run_id, request_id, str(shard), timeout_s)
 
     async def status(self, run_id: str) -> dict[str, Any]:
         shard = await self.redis.get(index_key(self.settings.key_prefix, run_id))
@@ -314,7 +419,7 @@ class SyncClient:
     def start(self, definition: str, context: Mapping[str, Any], idempotency_key: str | None = None) -> str:
         plan = self._plan_of(definition)
         run_id = run_id_for(definition, idempotency_key)
-        envelope = start_envelope(self.signer, run_id, definition, plan.digest, context)
+        envelope = checked_start(self.signer, self.settings, plan, definition, run_id, context)
         self._channel.basic_publish(
             names.start_exchange(plan.shard_class),
             run_id,

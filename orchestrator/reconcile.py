@@ -4,7 +4,9 @@ Three kinds of stranded work, each of which the normal paths cannot see:
 
 * **unsent outbox entries** older than ``min_age_ms`` on any shard: committed messages that were never
   confirmed (the orchestrator serving that shard relays its own every few seconds; this covers shards
-  nobody serves right now). Repair: publish with confirms, then mark sent.
+  nobody serves right now). Repair: publish with confirms, then mark sent. An entry too large for
+  ``SAGA_MAX_MESSAGE_BYTES`` (committed before the limit was lowered) is never sent: its reader would
+  park it unread. It is removed and its run nudged, which fails the step that needed it, with the reason.
 * **stranded runs**: running or finalising, with no unsent message and no timer, and nothing in their
   history for ``stranded_after_ms``: the message they wait for was lost outside saga (a purged queue, a
   broker restored from an old backup). Repair: a nudge, which re-sends the waiting tasks with their own
@@ -24,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from orchestrator.bus.publisher import Publisher, outgoing_from_payload
+from orchestrator.engine import sizes
 from orchestrator.engine.model import Outgoing
 from orchestrator.shard.processor import Processor
 from orchestrator.store.keys import index_key
@@ -37,6 +40,7 @@ SCAN_BATCH = 500
 class Report:
     unsent: list[str] = field(default_factory=list)  # outbox ids found (and re-published unless dry run)
     republished: list[str] = field(default_factory=list)
+    undeliverable: list[str] = field(default_factory=list)  # too large to send: removed, their runs nudged
     stranded: list[str] = field(default_factory=list)  # run ids found (and nudged unless dry run)
     nudged: list[str] = field(default_factory=list)
     orphan_claims: list[str] = field(default_factory=list)  # run ids whose claim has no run
@@ -86,10 +90,28 @@ class Reconciler:
         found = entries if entries is not None else await self._entries(shard)
         old = [p for p in found.values() if int(p.get("at", 0)) <= now_ms - self.min_age_ms]
         report.unsent += [str(p["id"]) for p in old]
-        if not dry_run and old and self.publisher is not None:
-            messages = [outgoing_from_payload(p) for p in old]
-            report.republished += await publish_and_mark(self.store, self.publisher, shard, messages, now_ms)
+        messages = [outgoing_from_payload(p) for p in old]
+        too_big = [m for m in messages if sizes.too_big(m.body, self.processor.limits) is not None]
+        report.undeliverable += [m.message_id for m in too_big]
+        if dry_run or self.publisher is None:
+            return report
+        if too_big:
+            await self._drop_undeliverable(shard, self.publisher, too_big, now_ms)
+        sendable = [m for m in messages if m not in too_big]
+        if sendable:
+            report.republished += await publish_and_mark(self.store, self.publisher, shard, sendable, now_ms)
         return report
+
+    async def _drop_undeliverable(
+        self, shard: str, publisher: Publisher, messages: list[Outgoing], now_ms: int
+    ) -> None:
+        """Remove entries no reader would accept, then nudge their runs: the nudge measures what the run
+        waits for again and fails that step with the reason instead of re-sending it."""
+        await self.store.mark_sent(shard, [m.message_id for m in messages])
+        for run_id in sorted({str(m.body.get("run_id", "")) for m in messages} - {""}):
+            outcome = await self.processor.nudge(shard, run_id, f"nudge-{uuid.uuid4().hex}")
+            if outcome.publish:
+                await publish_and_mark(self.store, publisher, shard, outcome.publish, now_ms)
 
     async def stranded(
         self, shard: str, now_ms: int, *, dry_run: bool, entries: dict[str, dict[str, Any]] | None = None

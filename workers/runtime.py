@@ -36,7 +36,7 @@ from orchestrator import faults
 from orchestrator.bus import names
 from orchestrator.bus.envelope import Envelope, EnvelopeRejected, Kind, Signer, decode, signed_message
 from orchestrator.bus.publisher import Publisher
-from orchestrator.engine import ids
+from orchestrator.engine import ids, sizes
 from workers.acks import AckCoalescer
 from workers.sdk import Handler, PermanentFailure
 
@@ -63,6 +63,9 @@ class TaskFailed(PermanentFailure):
 
 
 AttemptKey = tuple[str, str, str]  # (run id, stage, fence): one attempt, as a cancellation names it
+# One running handler: its task, and the context it was given. An attempt of a map stage has one per item
+# this process is running, all under the map's one fence.
+Running = tuple["asyncio.Future[Any]", TaskContext]
 
 
 @dataclass
@@ -78,7 +81,7 @@ class WorkerRuntime:
     _stopping: asyncio.Event = field(default_factory=asyncio.Event)
     _inflight: set[asyncio.Task[None]] = field(default_factory=set)
     _acks: AckCoalescer = field(default_factory=AckCoalescer)
-    _running: dict[AttemptKey, tuple[asyncio.Future[Any], TaskContext]] = field(default_factory=dict)
+    _running: dict[AttemptKey, dict[str, Running]] = field(default_factory=dict)
 
     def stop(self) -> None:
         self._stopping.set()
@@ -122,13 +125,18 @@ class WorkerRuntime:
             log.warning("ignored a cancellation request that failed verification: %s", exc)
             return
         key = (envelope.run_id, envelope.stage or "", envelope.fence or "")
-        running = self._running.get(key)
-        if running is None:
-            return  # not ours, or already finished
-        future, context = running
-        log.info("cancelling %s of run %s (fence %s) as requested", key[1], key[0], key[2])
-        context.cancelled.set()
-        future.cancel()
+        running = list(self._running.get(key, {}).values())  # every item of a map, not one of them
+        if running:
+            log.info(
+                "cancelling %s of run %s (fence %s, %d task(s)) as requested",
+                key[1],
+                key[0],
+                key[2],
+                len(running),
+            )
+        for future, context in running:
+            context.cancelled.set()
+            future.cancel()
 
     async def _close(self, channel: AbstractChannel) -> None:
         with contextlib.suppress(Exception):
@@ -154,7 +162,8 @@ class WorkerRuntime:
             return
         report = envelope.body.get("report") or {}
         if report.get("accept"):
-            await self._report(publisher, envelope, Kind.ACCEPTED, "accepted")
+            accepted = ids.acceptance_id(envelope.run_id, envelope.stage or "", envelope.fence or "")
+            await self._report(publisher, envelope, Kind.ACCEPTED, accepted)
         beating = self._heartbeats(publisher, envelope, report.get("heartbeat_ms"))
         try:
             outcome = await self._execute(envelope, pool)
@@ -187,14 +196,15 @@ class WorkerRuntime:
         async def beat() -> None:
             for n in itertools.count(1):
                 await asyncio.sleep(every_ms / 3000)
-                await self._report(publisher, envelope, Kind.HEARTBEAT, f"heartbeat-{n}")
+                beat = ids.heartbeat_id(envelope.run_id, envelope.stage or "", envelope.fence or "", n)
+                await self._report(publisher, envelope, Kind.HEARTBEAT, beat)
 
         return asyncio.create_task(beat())
 
-    async def _report(self, publisher: Publisher, task: Envelope, kind: Kind, what: str) -> None:
+    async def _report(self, publisher: Publisher, task: Envelope, kind: Kind, message_id: str) -> None:
         """Tell the run's shard about the attempt (acceptance, heartbeat). Best effort: a lost report
         can only make a clock expire, which fences the attempt; it never corrupts the run."""
-        message_id = ids.message_id(what, task.run_id, task.stage or "", task.fence or "")
+        what = kind.value
         body = self._reply(task, kind, message_id, {})
         try:
             await publisher.publish_bytes(body, message_id, names.RUNS_EXCHANGE, task.shard)
@@ -244,7 +254,8 @@ class WorkerRuntime:
         """Run the handler as its own task, so a cancellation request can stop it (and only it)."""
         key = (envelope.run_id, context.stage, context.fence)
         future = asyncio.ensure_future(_call(handler, payload, context, pool))
-        self._running[key] = (future, context)
+        running = self._running.setdefault(key, {})
+        running[envelope.message_id] = (future, context)  # a task's id tells a map's items apart
         try:
             return await future
         except asyncio.CancelledError:
@@ -252,16 +263,12 @@ class WorkerRuntime:
                 raise _Cancelled from None
             raise  # the worker itself is being cancelled
         finally:
-            self._running.pop(key, None)
+            running.pop(envelope.message_id, None)
+            if not running:
+                self._running.pop(key, None)
 
     def _result(self, task: Envelope, outcome: Outcome) -> bytes:
-        body: dict[str, Any]
-        if outcome.ok:
-            body = {"ok": True, "result": outcome.value}
-        else:
-            body = {"ok": False, "error": outcome.value, "retryable": outcome.retryable}
-            if outcome.cancelled:
-                body["cancelled"] = True
+        body = report_body(outcome, sizes.Limits(self.max_message_bytes))
         return self._reply(task, Kind.RESULT, ids.result_id(task.message_id), body)
 
     def _reply(self, task: Envelope, kind: Kind, message_id: str, body: dict[str, Any]) -> bytes:
@@ -292,6 +299,22 @@ class Outcome:
     value: Any
     retryable: bool = True
     cancelled: bool = False
+
+
+def report_body(outcome: Outcome, limits: sizes.Limits) -> dict[str, Any]:
+    """The body of the report of ``outcome``. A result too large for a message is reported as a failure
+    that says so (sent as it is, the shard would refuse it unread and the attempt would wait for its
+    deadline, or for ever); an error text is cut to a bounded length."""
+    if outcome.ok:
+        body = {"ok": True, "result": outcome.value}
+        problem = sizes.too_big(body, limits)
+        if problem is None:
+            return body
+        return {"ok": False, "error": f"the result cannot be sent: {problem}", "retryable": False}
+    failure = {"ok": False, "error": sizes.bounded(str(outcome.value)), "retryable": outcome.retryable}
+    if outcome.cancelled:
+        failure["cancelled"] = True
+    return failure
 
 
 class _Cancelled(Exception):
