@@ -286,31 +286,34 @@ def test_saga_redrive_resumes_failed_runs_in_a_new_epoch_keeping_what_completed(
     assert all(client.wait(run_id, timeout_s=30).state == "failed" for run_id in runs)
     for model in models:  # the fault is fixed
         stack.redis.delete(f"{stack.prefix}:demo:faults:{model}")
-    # one run by id, the other two in bulk
-    single = stack.saga("redrive", runs[0], "--reason", "metadata fixed")
+    # one run by id (waiting for its new epoch to end), the other two in bulk
+    single = stack.saga("redrive", runs[0], "--reason", "metadata fixed", "--wait", "30")
     assert single.returncode == 0, single.stderr
-    assert client.wait(runs[0], timeout_s=30).state == "completed"
+    assert single.stdout.strip() == f"{runs[0]} redriven (epoch 2): completed"
     bulk = stack.saga("redrive", "--all", "--definition", "model-ingest", "--json")
     assert bulk.returncode == 0, bulk.stderr
-    assert set(runs[1:]) <= set(json.loads(bulk.stdout)["requested"])
+    reports = {r["run_id"]: r for r in json.loads(bulk.stdout)["runs"]}
+    assert all(reports[run]["redriven"] and reports[run]["epoch"] == 2 for run in runs[1:])
     for run_id in runs:
         assert client.wait(run_id, timeout_s=30).state == "completed"
         record = stack.record(run_id)
         assert record["epoch"] == "2" and record["s:render-thumbnail:fence"] == "2.1"
-        kinds = [e["kind"] for e in history(stack, run_id)]
+        trail = history(stack, run_id)
+        kinds = [e["kind"] for e in trail]
         assert kinds.count("run.redriven") == 1 and kinds.count("finaliser.completed") == 2
-        assert [e["stage"] for e in events(stack, run_id, "stage.reused")] == ["cache-lookup"]
+        # what completed in epoch 1 and was not undone is reused, never dispatched again
+        cut = kinds.index("run.redriven")
+        done = {e["stage"] for e in trail[:cut] if e["kind"] == "stage.completed"} - {"render-thumbnail"}
+        again = {e["stage"] for e in trail[cut:] if e["kind"] == "stage.dispatched"}
+        assert "cache-lookup" in done and not done & again, (done, again)
+        assert {e["stage"] for e in events(stack, run_id, "stage.reused")} == done
         assert stack.redis.ttl(ShardKeys(stack.prefix, record["shard"]).run(run_id)) > 0  # ended again
     assert [e["why"] for e in events(stack, runs[0], "run.redriven")] == ["metadata fixed"]
-    # a run that is not failed is refused, and says so in its history
-    before = len(events(stack, runs[0], "callback.rejected"))
+    # a run that is not failed is refused: the CLI says why and exits 1, and its history says so too
     refused = stack.saga("redrive", runs[0])
-    assert refused.returncode == 0
-    rejected = poll(
-        lambda: at_least(before + 1, events(stack, runs[0], "callback.rejected")),
-        10,
-        what="the refused re-drive recorded",
-    )
+    assert refused.returncode == 1
+    assert "refused" in refused.stderr and "only a failed run can be re-driven" in refused.stderr
+    rejected = events(stack, runs[0], "callback.rejected")
     assert rejected[-1]["reason"] == "invalid" and "only a failed run" in rejected[-1]["detail"]
     assert stack.record(runs[0])["epoch"] == "2"
 

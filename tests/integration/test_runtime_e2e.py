@@ -14,6 +14,7 @@ from orchestrator.bus import names
 from orchestrator.bus.envelope import Envelope, Kind
 from orchestrator.client import SyncClient, run_id_for
 from orchestrator.compiler import compile_text
+from orchestrator.engine import ids
 from orchestrator.provision import publish_plans
 from tests.integration.stack import REGISTRY, ROOT, Stack, poll, running
 
@@ -114,11 +115,13 @@ def test_fork_branch_failure_cancels_the_sibling_and_records_its_late_completion
         what="the worker's acknowledgement of the cancellation",
     )
     assert [e["stage"] for e in acknowledged] == ["technical-metadata"]
-    # When a straggler completion of the cancelled attempt arrives anyway, it is recorded as late
+    # When a straggler completion of the cancelled attempt arrives anyway (the same task run again by
+    # another worker, so the same report id), it is refused: the attempt was already reported on
     record = stack.record(run_id)
+    task = ids.stage_task_id(run_id, "technical-metadata", record["s:technical-metadata:fence"], None, 1)
     straggler = Envelope(
         kind=Kind.RESULT,
-        message_id="straggler-tm",
+        message_id=ids.result_id(task),
         run_id=run_id,
         shard=record["shard"],
         stage="technical-metadata",
@@ -128,16 +131,17 @@ def test_fork_branch_failure_cancels_the_sibling_and_records_its_late_completion
         body={"ok": True, "result": {"faces": 1, "vertices": 1}},
     )
     stack.publish_envelope(straggler, names.RUNS_EXCHANGE, record["shard"])
-    late = poll(
+    refused = poll(
         lambda: [
             e
             for e in stack.history(run_id)
-            if e["kind"] == "callback.rejected" and e["detail"].get("reason") == "late"
+            if e["kind"] == "callback.rejected" and e["detail"].get("message_id") == straggler.message_id
         ],
         10,
-        what="the late completion",
+        what="the straggler refused",
     )
-    assert late[0]["stage"] == "technical-metadata"
+    assert refused[0]["detail"]["reason"] == "duplicate"
+    assert stack.record(run_id)["s:technical-metadata:status"] == "cancelled"
     assert stack.record(run_id)["s:technical-metadata:status"] == "cancelled"
     assert "s:technical-metadata:result" not in stack.record(run_id)
     assert not any(e["kind"] == "join.released" for e in stack.history(run_id))
@@ -215,10 +219,11 @@ def test_duplicate_stale_and_reordered_completions_change_nothing(stack: Stack, 
     before = stack.record(run_id)
     shard = before["shard"]
 
-    def result(stage: str, fence: str, value: object, mid: str) -> Envelope:
+    def result(stage: str, fence: str, value: object, mid: str | None = None) -> Envelope:
+        """A report of (stage, fence): under its task's report id unless ``mid`` says otherwise."""
         return Envelope(
             kind=Kind.RESULT,
-            message_id=mid,
+            message_id=mid or ids.result_id(ids.stage_task_id(run_id, stage, fence, None, 1)),
             run_id=run_id,
             shard=shard,
             stage=stage,
@@ -228,27 +233,28 @@ def test_duplicate_stale_and_reordered_completions_change_nothing(stack: Stack, 
             body={"ok": True, "result": value},
         )
 
-    # When completions are replayed straight onto the shard queue: reordered, duplicated (a new id and
-    # a re-sent id), and one from a stale fence
+    # When completions are replayed straight onto the shard queue: reordered, duplicated (re-sent under
+    # their own ids), one from a stale fence, and one under an id that answers no task
     storm = [
-        result("technical-metadata", "1.1", {"faces": 1, "vertices": 1}, "replay-tm"),
-        result("semantic-analysis", "1.1", {"tags": ["x"]}, "replay-sa"),
-        result("semantic-analysis", "1.1", {"tags": ["y"]}, "replay-sa"),
-        result("render-thumbnail", "0.9", {"thumbnailUri": "old"}, "stale-render"),
+        result("technical-metadata", "1.1", {"faces": 1, "vertices": 1}),
+        result("semantic-analysis", "1.1", {"tags": ["x"]}),
+        result("semantic-analysis", "1.1", {"tags": ["y"]}),
+        result("render-thumbnail", "0.9", {"thumbnailUri": "old"}),
+        result("technical-metadata", "1.1", {"faces": 2, "vertices": 2}, "replay-under-a-new-id"),
     ]
     for envelope in reversed(storm):
         stack.publish_envelope(envelope, names.RUNS_EXCHANGE, shard)
     rejected = poll(
         lambda: (
             [e for e in stack.history(run_id) if e["kind"] == "callback.rejected"]
-            if sum(e["kind"] == "callback.rejected" for e in stack.history(run_id)) >= 4
+            if sum(e["kind"] == "callback.rejected" for e in stack.history(run_id)) >= 5
             else None
         ),
         15,
-        what="all four recorded as rejected",
+        what="all five recorded as rejected",
     )
     reasons = sorted(e["detail"]["reason"] for e in rejected)
-    assert reasons == ["duplicate", "duplicate", "duplicate", "stale"], reasons
+    assert reasons == ["duplicate", "duplicate", "duplicate", "invalid", "stale"], reasons
     # Then no result changed and the join released once; the run completes normally
     after = stack.record(run_id)
     for stage in ("technical-metadata", "semantic-analysis", "render-thumbnail"):

@@ -21,7 +21,7 @@ import redis.asyncio as aioredis
 
 from orchestrator.compiler import CompiledPlan, compile_text
 from orchestrator.engine import advance, ids
-from orchestrator.engine.model import BarrierReleased, Decision, Event, StageResult, StartRun
+from orchestrator.engine.model import BarrierReleased, CancelRun, Decision, Event, StageResult, StartRun
 from orchestrator.store.memory import MemoryStore
 from orchestrator.store.redis_store import (
     APPLIED,
@@ -34,6 +34,8 @@ from orchestrator.store.redis_store import (
 from orchestrator.store.spec import barrier_stages
 from tests.conftest import DEFINITIONS, DEMO_REGISTRY
 from tests.unit.engine_sim import SHARD, Sim, apply_event, handler_output
+from tests.unit.redrive_cases import Case, cases, redriven
+from tests.unit.redrive_cases import compiled as redrive_compiled
 
 pytestmark = pytest.mark.services
 
@@ -229,6 +231,34 @@ def test_memory_store_and_redis_store_agree_step_by_step(
     with_store(test)
 
 
+REDRIVE_CASES = cases()
+
+
+@pytest.mark.parametrize("case", REDRIVE_CASES, ids=[c.id for c in REDRIVE_CASES])
+def test_memory_store_and_redis_store_agree_on_every_redrive(case: Case) -> None:
+    """Each re-drive case (tests/unit/redrive_cases.py): the failing epoch, the re-drive and the new
+    epoch, step by step, give the same codes, decisions and stored state in Lua as in its port."""
+    run_id = f"run-redrive-{uuid.uuid4().hex[:8]}"
+    sim = redriven(case, run_id)
+    plan = redrive_compiled(case.definition)
+
+    async def test(store: RedisStore) -> None:
+        memory = MemoryStore()
+        for step, (event, now) in enumerate(sim.log):
+            mine = apply_event(memory, plan.plan, plan.digest, run_id, event, now)
+            code, detail, decision = await redis_apply(store, plan.plan, plan.digest, run_id, event, now)
+            assert (code, detail, decision) == (mine.code, mine.detail, mine.decision), (step, event)
+            assert await redis_state(store, run_id, plan.plan) == memory_state(memory, run_id, plan.plan), (
+                step,
+                event,
+            )
+        final = await redis_state(store, run_id, plan.plan)
+        assert final.record["status"] == sim.status
+        assert [h[0] for h in final.history] == sim.kinds()
+
+    with_store(test)
+
+
 # ---- (b) compare-and-set -----------------------------------------------------------------------------------
 
 
@@ -288,8 +318,10 @@ def test_a_transition_whose_expects_no_longer_hold_conflicts_and_writes_nothing(
         )
         assert won.code == APPLIED
 
-        second = dataclasses.replace(first, message_id="result-from-a-paused-consumer", ok=False, result=None)
-        late = advance(plan.plan, plan.digest, read, second, NOW + 1)  # decided on the old snapshot
+        # a paused consumer's cancellation, decided on the old snapshot: it would cancel cache-lookup,
+        # which has completed meanwhile
+        second = CancelRun("cancel-from-a-paused-consumer", "stop")
+        late = advance(plan.plan, plan.digest, read, second, NOW + 1)
         before = await raw_dump(store, "run-cas", plan.plan)
         lost = await store.apply(SHARD, "run-cas", second.message_id, late, plan.plan, NOW + 1)
 
@@ -417,10 +449,14 @@ def test_arrivals_count_distinct_items_and_release_exactly_once_under_concurrenc
         assert again.code == DUPLICATE
         assert await store.client.hget(keys.run("run-bag"), "b:render-all") == str(items - 1)
 
-        # every other item, concurrently, with duplicates (same id, and a re-sent report with another id)
+        # a report under an id that answers no task is refused by the engine, before any arrival
+        forged = task_result(tasks[150], message_id="result-resent-150")
+        assert advance(plan.plan, plan.digest, read, forged, NOW).arrival is None
+
+        # every other item, concurrently, with duplicates (the same id again)
         calls = [arrive(i) for i in range(1, items)]
         calls += [arrive(i) for i in range(0, 60)]
-        calls += [arrive(i, message_id=f"result-resent-{i}") for i in range(150, 170)]
+        calls += [arrive(i) for i in range(150, 170)]
         random.Random(3).shuffle(calls)
         results = await asyncio.gather(*calls)
 

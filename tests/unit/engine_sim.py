@@ -40,13 +40,16 @@ from orchestrator.engine.model import (
     Outgoing,
     RunSnapshot,
     StageAccepted,
+    StageHeartbeat,
     StageResult,
     StartRun,
     TimerFired,
     Verdict,
 )
+from orchestrator.engine.sizes import DEFAULT_LIMITS, Limits
 from orchestrator.store.memory import APPLIED, CONFLICT, MemoryStore
 from orchestrator.store.spec import barrier_stages
+from workers.runtime import Outcome, report_body
 from workers.sdk import Handler, handlers_of
 
 HANDLERS: dict[str, Handler] = {h.contract.ref: h for h in handlers_of(workers.demo)}
@@ -104,6 +107,30 @@ class Handled:
         return self.decision.verdict is Verdict.APPLIED and self.code == APPLIED
 
 
+def report(
+    run_id: str,
+    stage: str,
+    fence: str,
+    ok: bool,
+    result: Any = None,
+    error: str | None = None,
+    *,
+    attempt: int = 1,
+    item: int | None = None,
+    digest: str = "",
+    **flags: bool,
+) -> StageResult:
+    """A worker's report on the task (``stage``, ``fence``, ``item``, ``attempt``), under the id a worker
+    derives from that task's id (the engine refuses a report whose id answers another task)."""
+    message_id = ids.result_id(ids.stage_task_id(run_id, stage, fence, item, attempt))
+    return StageResult(message_id, stage, attempt, fence, ok, result, error, item, digest, **flags)
+
+
+def heartbeat(run_id: str, stage: str, fence: str, beat: int = 1) -> StageHeartbeat:
+    """The attempt's ``beat``-th heartbeat, under the id a worker gives it."""
+    return StageHeartbeat(ids.heartbeat_id(run_id, stage, fence, beat), stage, 1, fence)
+
+
 def to_publish(decision: Decision, code: int | None, detail: str) -> list[Outgoing]:
     """What the shard publishes after a transition (mirrors ``processor._to_publish``)."""
     if code != APPLIED:
@@ -121,13 +148,14 @@ def apply_event(
     run_id: str,
     event: Event,
     now_ms: int,
+    limits: Limits = DEFAULT_LIMITS,
 ) -> Handled:
     """One delivery through engine and store, as ``Processor._decide`` does it."""
     barriers = barrier_stages(plan)
     conflicts = 0
     for _ in range(MAX_CONFLICT_RETRIES):
         snapshot = store.snapshot(run_id)
-        decision = advance(plan, snapshot.digest if snapshot else digest, snapshot, event, now_ms)
+        decision = advance(plan, snapshot.digest if snapshot else digest, snapshot, event, now_ms, limits)
         if snapshot is None and not decision.create:
             return Handled(event, decision, None, "", ())
         code, detail = store.apply(run_id, event.message_id, decision, barriers, now_ms)
@@ -179,6 +207,8 @@ class Sim:
     fail_stages: frozenset[str] = frozenset()  # stage names (or "finaliser:<i>") whose handler raises
     fail_items: frozenset[int] = frozenset()  # map items whose handler raises
     flaky_stages: frozenset[str] = frozenset()  # stages whose handler raises when a task is run again
+    lost_stages: frozenset[str] = frozenset()  # stages whose worker takes the task and never reports
+    limits: Limits = DEFAULT_LIMITS  # what the shard's engine is told about message sizes
     store: MemoryStore = field(default_factory=MemoryStore)
     clock: int = 1_700_000_000_000
     pending: list[Delivery] = field(default_factory=list)
@@ -205,7 +235,7 @@ class Sim:
         self.clock += 1
         self.log.append((event, self.clock))
         assert not self.store.outbox, f"unsent outbox entries before a delivery: {list(self.store.outbox)}"
-        handled = apply_event(self.store, self.plan, self.digest, self.run_id, event, self.clock)
+        handled = apply_event(self.store, self.plan, self.digest, self.run_id, event, self.clock, self.limits)
         self.handled.append(handled)
         ids_published = [m.message_id for m in handled.published]
         # decide and record together: the outbox holds exactly what this transition publishes
@@ -244,14 +274,15 @@ class Sim:
             body = delivery.task.body
             if body.get("report"):
                 accepted = StageAccepted(
-                    ids.message_id("accepted", self.run_id, body["stage"], body["fence"]),
+                    ids.acceptance_id(self.run_id, str(body["stage"]), str(body["fence"])),
                     str(body["stage"]),
                     int(body["attempt"]),
                     str(body["fence"]),
                     str(body["digest"]),
                 )
                 self.pending.append(Delivery("event", event=accepted))
-            self.pending.append(Delivery("event", event=self.work(delivery.task)))
+            if body["stage"] not in self.lost_stages:
+                self.pending.append(Delivery("event", event=self.work(delivery.task)))
             return None
         assert delivery.event is not None
         return self.handle(delivery.event)
@@ -307,6 +338,9 @@ class Sim:
             value, ok, error = handler_output(str(body["contract"]), body["input"]), True, None
         except Exception as exc:
             value, ok, error = None, False, f"{type(exc).__name__}: {exc}"
+        # what the worker runtime sends: a result too large for a message becomes a failure saying so
+        sent = report_body(Outcome(ok, value if ok else error), self.limits)
+        ok, value, error = sent["ok"], sent.get("result"), sent.get("error")
         self.calls.append((stage, item, ok, value if ok else error))
         message_id = ids.result_id(task.message_id)
         if stage.startswith("compensate:"):
@@ -330,6 +364,7 @@ class Sim:
             error,
             item,
             str(body["digest"]),
+            retryable=sent.get("retryable", True),
         )
 
     # ---- reading ------------------------------------------------------------------------------------

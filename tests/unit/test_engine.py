@@ -18,7 +18,7 @@ from orchestrator.engine.model import StageResult, StartRun, Verdict
 from orchestrator.store.memory import APPLIED, DUPLICATE, NO_RUN, MemoryStore
 from orchestrator.store.spec import barrier_stages
 from tests.conftest import DEFINITIONS, DEMO_REGISTRY, compile_yaml
-from tests.unit.engine_sim import SHARD, Handled, Sim, handler_output
+from tests.unit.engine_sim import SHARD, Handled, Sim, handler_output, report
 
 
 @functools.cache
@@ -595,7 +595,9 @@ def test_stale_result_is_rejected_and_the_current_one_accepted() -> None:
     (result,) = [d.event for d in sim.pending]
     assert isinstance(result, StageResult)
 
-    stale = dataclasses.replace(result, message_id="result-stale", fence="0.9")
+    stale = dataclasses.replace(
+        report(sim.run_id, result.stage, "0.9", True, result.result), digest=result.digest
+    )
     handled = sim.handle(stale)
     assert handled.verdict is Verdict.STALE
     assert stage_state(sim, "cache-lookup") == "queued"

@@ -15,14 +15,12 @@ from orchestrator.engine import clocks
 from orchestrator.engine.model import (
     CancelRun,
     Clock,
-    StageHeartbeat,
-    StageResult,
     TimerFired,
     Verdict,
 )
 from orchestrator.store.memory import TIMER_GONE
 from tests.conftest import compile_yaml
-from tests.unit.engine_sim import Sim
+from tests.unit.engine_sim import Sim, heartbeat, report
 
 PROBE = """
 name: probe
@@ -82,7 +80,7 @@ def test_a_late_report_of_a_retried_attempt_is_stale() -> None:
     first_task = sim.tasks[0]
     sim.deliver_task("render")  # attempt 1 fails, retry scheduled
     sim.fire_next_timer()  # attempt 2 dispatched
-    late = StageResult("late-1", "render", 1, str(first_task.body["fence"]), True, {"thumbnailUri": "x"})
+    late = report(sim.run_id, "render", str(first_task.body["fence"]), True, {"thumbnailUri": "x"})
     handled = sim.handle(late)
     assert handled.verdict is Verdict.STALE
     assert sim.record["s:render:status"] == "queued" and sim.record["s:render:attempt"] == "2"
@@ -91,7 +89,7 @@ def test_a_late_report_of_a_retried_attempt_is_stale() -> None:
 def test_a_permanent_failure_is_not_retried() -> None:
     sim = probe("retry: { max_attempts: 5, initial_backoff_ms: 10 }")
     fence = str(sim.tasks[0].body["fence"])
-    sim.handle(StageResult("r-1", "render", 1, fence, False, error="bad data", retryable=False))
+    sim.handle(report(sim.run_id, "render", fence, False, error="bad data", retryable=False))
     assert sim.record["intent"] == "failed"
     assert not sim.entries("retry.scheduled")
 
@@ -118,7 +116,7 @@ def test_a_heartbeat_moves_the_timer_so_an_old_firing_claims_nothing() -> None:
     member = clocks.member(sim.run_id, Clock.HEARTBEAT, "render", "1.1")
     first_due = sim.store.timers[member]
     sim.clock += 500  # half-way to the deadline, the handler beats
-    sim.handle(StageHeartbeat("hb-1", "render", 1, "1.1"))
+    sim.handle(heartbeat(sim.run_id, "render", "1.1"))
     assert sim.store.timers[member] > first_due
     sim.clock = first_due  # the timer loop read the old due time and fires now
     handled = sim.handle(TimerFired(f"timer-{member}", Clock.HEARTBEAT, "render", "1.1", member))
@@ -161,7 +159,7 @@ def test_cancelling_a_run_sets_the_failed_intent_once_and_a_second_request_is_la
     assert second.verdict is Verdict.LATE
     # the worker stops and says so: recorded as the acknowledgement, not applied
     fence = str(sim.tasks[0].body["fence"])
-    ack = sim.handle(StageResult("r-1", "render", 1, fence, False, error="cancelled", cancelled=True))
+    ack = sim.handle(report(sim.run_id, "render", fence, False, error="cancelled", cancelled=True))
     assert ack.verdict is Verdict.LATE
     assert sim.entries("cancellation.acknowledged", "render")
     sim.run()

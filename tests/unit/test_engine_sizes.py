@@ -1,0 +1,223 @@
+"""Size amplification: every message a run causes fits what its reader accepts, or the run fails with the
+reason at the first step that would send one that does not.
+
+A message that grows from the one before it (a context bound twice into an input, a result bound into the
+next input, a compensation carrying a stage's input and result, a bag's results in the run's output) must
+never be committed when its reader would refuse it unread: the run would wait for an answer that cannot
+come. Hypothesis drives every example definition with contexts near a small message limit (multi-byte
+characters included, as sizes are UTF-8 bytes) and failures in any stage, and checks each published
+message against the limit both as the engine measured it and as the publisher really encodes it.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from orchestrator.bus.envelope import Signer, signed_message
+from orchestrator.bus.publisher import message_bytes
+from orchestrator.client import ActivePlan, StartRefused, checked_start
+from orchestrator.engine import door, sizes
+from orchestrator.engine.model import Nudge, StageStatus
+from orchestrator.settings import Settings
+from tests.unit.engine_sim import Sim, report
+from tests.unit.redrive_cases import compiled, drive, in_order
+from workers.runtime import Outcome, report_body
+
+LIMITS = sizes.Limits(max_message_bytes=8192)
+SIGNER = Signer.from_settings(("a-long-key-id-of-sixty-four-characters-which-is-the-most-allowed-x:s",))
+
+
+def sized(max_chars: int) -> st.SearchStrategy[str]:
+    """Text of 1 to ``max_chars`` letters of one to four UTF-8 bytes each."""
+    letters = st.sampled_from("aé€😀")
+    return st.integers(1, max_chars).flatmap(lambda n: st.text(letters, min_size=n, max_size=n))
+
+
+CONTEXTS: dict[str, st.SearchStrategy[dict[str, Any]]] = {
+    "model-ingest": st.builds(lambda m: {"modelId": m}, sized(3000)),
+    "thumbnail-batch": st.builds(lambda ids: {"modelIds": ids}, st.lists(sized(900), max_size=12)),
+    "catalogue-reindex": st.builds(lambda i: {"index": i}, sized(3000)),
+    "ingest-triage": st.builds(lambda f: {"sizeMb": 1, "format": f}, sized(3000)),
+}
+
+
+def fits_a_start(context: dict[str, Any]) -> bool:
+    """What the shard's envelope check would let in: a start of at most the limit."""
+    body = {"definition": "x" * 64, "digest": "sha256:" + "0" * 64, "context": context}
+    return sizes.body_bytes(body) <= LIMITS.max_body_bytes
+
+
+def run(name: str, context: dict[str, Any], failing: frozenset[str] = frozenset()) -> Sim:
+    plan = compiled(name)
+    sim = Sim(plan.plan, plan.digest, fail_stages=failing, limits=LIMITS)
+    sim.start(context)
+    drive(sim, in_order)
+    return sim
+
+
+def check_every_message_fits(sim: Sim, since: int = 0) -> None:
+    """Every message published by the ``since``-th handled event and after fits ``LIMITS``."""
+    for handled in sim.handled[since:]:
+        for message in handled.published:
+            assert sizes.body_bytes(message.body) <= LIMITS.max_body_bytes, message.message_id
+            wire = message_bytes(message, SIGNER, 1_700_000_000_000)
+            assert len(wire) <= LIMITS.max_message_bytes, (message.message_id, len(wire))
+
+
+def refusals(sim: Sim) -> list[str]:
+    """Every 'cannot be sent' the run recorded (a stage, compensation or finaliser that failed for it)."""
+    return [json.dumps(h["detail"]) for h in sim.history if "cannot be sent" in json.dumps(h["detail"])]
+
+
+@settings(max_examples=120, deadline=None)
+@given(data=st.data(), name=st.sampled_from(sorted(CONTEXTS)))
+def test_every_message_a_run_sends_fits_or_the_run_fails_at_the_step_with_the_reason(
+    data: st.DataObject, name: str
+) -> None:
+    context = data.draw(CONTEXTS[name], label="context")
+    assume(fits_a_start(context))
+    work = [n for n, s in compiled(name).plan["stages"].items() if s["type"] in ("action", "worker", "map")]
+    failing = frozenset(data.draw(st.sets(st.sampled_from(work)) if work else st.just(set()), label="fail"))
+    sim = run(name, context, failing)
+
+    # Then the run ended (nothing waits for a message that was never sent) ...
+    assert sim.status in ("completed", "failed")
+    assert not sim.store.timers and not sim.pending
+    # ... and every message it sent fits, as measured and as encoded
+    check_every_message_fits(sim)
+    # a task that could not be sent failed its step with the reason, and the run says so
+    stages_refused = [h for h in sim.history if h["detail"].get("reason") == "size"]
+    if stages_refused:
+        assert sim.status == "failed" and "cannot be sent" in sim.record["reason"]
+    # a finished event too large carries no output, but says where to read it
+    (event,) = sim.finished
+    if event.body.get("output_omitted"):
+        assert event.body["output"] is None and sim.output is not None
+
+
+@settings(max_examples=60, deadline=None)
+@given(model=sized(3000))
+def test_a_start_whose_context_bound_inputs_cannot_fit_is_refused_at_the_door(model: str) -> None:
+    context = {"modelId": model}
+    assume(fits_a_start(context))
+    plan = compiled("model-ingest")
+    problems = door.start_problems(plan.plan, plan.digest, context, LIMITS)
+    sim = run("model-ingest", context)
+    settings_ = Settings(max_message_bytes=LIMITS.max_message_bytes)
+    active = ActivePlan(plan.digest, "fast", plan.plan)
+    if problems:
+        # the shard: the run fails at start with the reason, and no task is ever sent
+        assert sim.status == "failed" and not sim.entries("stage.dispatched")
+        assert all(p.startswith("stage ") and "cannot be sent" in p for p in problems)
+        assert problems[0] in sim.record["reason"]
+        # the client: refused before anything is published, with the same problems
+        try:
+            checked_start(SIGNER, settings_, active, "model-ingest", "run-1", context)
+        except StartRefused as exc:
+            assert exc.problems == problems
+        else:
+            raise AssertionError("the client sent a start the shard refuses")
+    else:
+        assert not any(h["detail"].get("reason") == "size" for h in sim.history[:3])
+        checked_start(SIGNER, settings_, active, "model-ingest", "run-1", context)
+    check_every_message_fits(sim)
+
+
+def test_a_compensation_too_large_to_send_fails_with_the_reason_and_the_rest_go_on() -> None:
+    # render's input and result both carry the model id: the undo task carries both, about twice it
+    model = "é" * 1900
+    sim = run("model-ingest", {"modelId": model}, frozenset({"semantic-analysis"}))
+    assert sim.record["s:render-thumbnail:status"] == "completed"  # not undone: its undo never left
+    (failed,) = [h for h in sim.history if h["kind"] == "compensation.failed"]
+    assert "its task cannot be sent" in failed["detail"]["error"]
+    assert sim.record["compensation_failed"] == "1"
+    assert sim.entries("finaliser.completed") and sim.status == "failed"
+    check_every_message_fits(sim)
+
+
+def test_a_result_too_large_to_send_is_reported_as_a_failure_that_says_so() -> None:
+    big = report_body(Outcome(True, {"blob": "€" * 3000}), LIMITS)
+    assert big["ok"] is False and big["retryable"] is False
+    assert big["error"].startswith("the result cannot be sent: its message would be 9,")
+    small = report_body(Outcome(True, {"blob": "€" * 100}), LIMITS)
+    assert small == {"ok": True, "result": {"blob": "€" * 100}}
+    error = report_body(Outcome(False, "boom " * 100_000), LIMITS)
+    assert sizes.body_bytes(error) < sizes.MAX_ERROR_CHARS + 200
+
+
+def test_an_output_too_large_for_the_finished_event_is_left_out_of_it_not_lost() -> None:
+    # the output repeats the model id (model id, and the catalogue id made from it): twice the context
+    sim = run("model-ingest", {"modelId": "é" * 1900})
+    assert sim.status == "completed"
+    (event,) = sim.finished
+    assert event.body["output"] is None and "saga status" in event.body["output_omitted"]
+    assert sim.output == {"modelId": "é" * 1900, "catalogueId": "cat-" + "é" * 1900}
+    check_every_message_fits(sim)
+
+
+def test_a_nudge_does_not_resend_a_task_that_no_longer_fits_it_fails_the_attempt() -> None:
+    # Given a task sent under a larger limit, whose reader now refuses it (the limit was lowered)
+    plan = compiled("model-ingest")
+    sim = Sim(plan.plan, plan.digest)
+    sim.start({"modelId": "é" * 4000})
+    sim.deliver_at(0)  # the start: cache-lookup is dispatched
+    (task,) = [d for d in sim.pending if d.kind == "task"]
+    sim.pending.clear()  # ... and parked as oversized by the worker, so nothing will answer
+    sim.limits = LIMITS
+    # When the reconciler nudges the stranded run
+    since = len(sim.handled)
+    handled = sim.handle(Nudge("nudge-1"))
+    # Then the task is not sent again; the attempt fails with the reason and the run ends
+    assert task.task is not None and task.task.message_id not in {m.message_id for m in handled.published}
+    assert sim.snapshot().stages["cache-lookup"].status is StageStatus.FAILED
+    assert "cannot be sent" in sim.record["reason"]
+    drive(sim, in_order)
+    assert sim.status == "failed"
+    check_every_message_fits(sim, since)
+
+
+def test_error_texts_are_bounded_wherever_they_are_kept() -> None:
+    plan = compiled("model-ingest")
+    sim = Sim(plan.plan, plan.digest)
+    sim.start({"modelId": "m-1"})
+    sim.deliver_at(0)
+    (task,) = [d.task for d in sim.pending if d.kind == "task"]
+    assert task is not None
+    sim.pending.clear()
+    huge = "x" * 1_000_000
+    sim.handle(
+        report(sim.run_id, "cache-lookup", str(task.body["fence"]), False, error=huge, retryable=False)
+    )
+    drive(sim, in_order)
+    assert sim.status == "failed"
+    assert len(sim.record["reason"]) < sizes.MAX_ERROR_CHARS + 200
+    assert all(len(json.dumps(h["detail"])) < sizes.MAX_ERROR_CHARS + 400 for h in sim.history)
+    check_every_message_fits(sim)
+
+
+def test_the_envelope_margin_covers_the_largest_legal_identity() -> None:
+    """ENVELOPE_MARGIN_BYTES is what an envelope adds to its body; measured with every identity field at
+    its largest, so a body that fits the measure always fits the wire."""
+    body = {"x": "y"}
+    wire = signed_message(
+        SIGNER,
+        kind="result",
+        message_id="m" * 200,
+        run_id="r" * 128,
+        shard="s" * 32 + ".99999",
+        stage="compensate:" + "s" * 64,
+        attempt=2**31 - 1,
+        fence="9" * 9 + ".c" + "9" * 9,
+        item=2**31 - 1,
+        digest="sha256:" + "0" * 64,
+        contract="c" * 64 + "@" + "9" * 9,
+        tenant="t" * 64,
+        deadline_ms=2**53,
+        issued_at_ms=2**53,
+        body=body,
+    )
+    assert len(wire) - sizes.body_bytes(body) <= sizes.ENVELOPE_MARGIN_BYTES
