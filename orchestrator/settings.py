@@ -67,7 +67,12 @@ class Settings(BaseSettings):
         (DEVELOPMENT_SIGNING_KEY,),
         description="id:secret pairs, comma-separated; the first signs, all verify (rotation)",
     )
-    max_message_bytes: int = Field(1_048_576, ge=1024)
+    max_message_bytes: int = Field(
+        1_048_576,
+        ge=16_384,
+        description="no process reads a larger message, so no transition sends one (a task's body may "
+        "take this less 2,048 bytes for its envelope); the same on every process",
+    )
     retention_ms: int = Field(7 * 86_400_000, ge=1000, description="how long finished runs are kept")
     crash_points: Annotated[tuple[str, ...], NoDecode] = Field(
         (), description="fault injection for tests only: kill -9 this process at these named points"

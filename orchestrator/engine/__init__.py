@@ -133,7 +133,8 @@ def _stage_result(step: Step, event: StageResult) -> Decision:
         return refused
     assert stage is not None and rec is not None  # _unknown_report refused the rest
     if event.cancelled and rec.fence == event.fence and rec.status in FENCED_OFF:
-        step.record("cancellation.acknowledged", event.stage, event.attempt, fence=event.fence)
+        item = {} if event.item is None else {"item": event.item}
+        step.record("cancellation.acknowledged", event.stage, event.attempt, fence=event.fence, **item)
         return step.decision(Verdict.LATE)
     if run.intent is not None:
         return rejected(

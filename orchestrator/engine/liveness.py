@@ -84,7 +84,9 @@ def heartbeat(step: Step, event: StageHeartbeat) -> Decision:
     """Moves the heartbeat deadline; nothing in history (a long task beats often), nothing remembered."""
     step.remember = False
     if not ids.is_heartbeat_id(event.message_id, step.run.run_id, event.stage, event.fence):
-        return step.decision(Verdict.INVALID)  # only the attempt's own beats keep it alive
+        # only the attempt's own beats keep it alive; a forged one is recorded like any refusal
+        why = f"message {event.message_id} is not a heartbeat of {event.stage!r} fence {event.fence}"
+        return rejected(Verdict.INVALID, why, event.stage, event.attempt)
     problem = _attempt_problem(step, event.stage, event.fence)
     if problem is not None:
         _recancel(step, event.stage, event.fence, event.message_id)  # the heartbeat's reply: stop

@@ -289,8 +289,12 @@ class Outgoing:
 
 @dataclass(frozen=True)
 class BarrierInit:
+    """A barrier (re)opened: its members cleared, then ``members`` (branches that arrived in the opening
+    transition itself) added, and its counter set to the ``count`` still awaited."""
+
     key: Key
     count: int
+    members: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -335,6 +339,8 @@ class Decision:
     timers: tuple[Timer, ...] = ()  # set (or moved) in the same atomic call
     untimers: tuple[str, ...] = ()  # timer members removed in the same atomic call
     claim: str | None = None  # a fired timer: the member must still be there and due, else no effect
-    remember: bool = True  # add the message id to the run's applied set (not for heartbeats or timers)
+    # add the message id to the run's applied set: only for an applied message that is not a heartbeat or
+    # a timer (a refused message may carry the id of a genuine report still to come)
+    remember: bool = True
     removes: tuple[tuple[Key, str], ...] = ()  # fields deleted (before the writes)
     persist: bool = False  # the run lives again (a re-drive): cancel the retention clock of its keys

@@ -73,7 +73,7 @@ class Step:
     limits: sizes.Limits = sizes.DEFAULT_LIMITS
     # join -> branches that arrived in the very transition that opens the join (reused after a re-drive,
     # or a decision routing straight to the join): the fork counts them when it sets the barrier
-    early_arrivals: dict[str, int] = field(default_factory=dict)
+    early_arrivals: dict[str, list[str]] = field(default_factory=dict)
 
     # ---- primitives --------------------------------------------------------------------------------
 
@@ -136,7 +136,10 @@ class Step:
             timers=tuple(Timer(m, due) for m, due in sorted(self.timers.items())),
             untimers=tuple(sorted(self.untimers)),
             claim=self.claim,
-            remember=self.remember,
+            # Only an applied message's id is remembered. A refused one may carry the id of a report
+            # still to come (a signed forgery naming a stale fence under the genuine report's id):
+            # remembered, it would make the genuine report a duplicate, and the run wait for ever.
+            remember=self.remember and verdict is Verdict.APPLIED,
             removes=tuple(self.removes),
             persist=self.persist,
         )
@@ -251,12 +254,11 @@ class Step:
         self.record("fork.released", name, branches=list(stage["branches"]))
         for branch in stage["branches"]:
             self.enter(name, branch)
-        early = self.early_arrivals.pop(join, 0)
-        if early:  # branches that arrived at once are counted now; the barrier waits for the rest
+        early = self.early_arrivals.pop(join, [])
+        if early:  # branches that arrived at once are members now; the barrier waits for the rest
             self.barriers.remove(init)
-            if early < init.count:
-                self.barriers.append(BarrierInit(init.key, init.count - early))
-            elif self.intent is None:
+            self.barriers.append(BarrierInit(init.key, init.count - len(early), tuple(early)))
+            if len(early) == init.count and self.intent is None:
                 self.set_stage(join, StageRecord(StageStatus.COMPLETED, 1, fence))
                 self.record("join.released", join, 1)
                 self.enter(join, self.plan["stages"][join]["on_success"])
@@ -276,7 +278,7 @@ class Step:
             return
         if any(b.key.name == join for b in self.barriers):
             # the branch arrives in the transition that opens the join: counted by the fork
-            self.early_arrivals[join] = self.early_arrivals.get(join, 0) + 1
+            self.early_arrivals.setdefault(join, []).append(branch)
             self.record("branch.arrived", join, branch=branch, outcome=outcome, early=True)
             return
         rec = self.stage(join)
@@ -688,8 +690,11 @@ def rejected(
     verdict: Verdict, why: str, stage: str | None, attempt: int | None = None, **extra: str
 ) -> Decision:
     """An event that changes nothing: recorded in history with its reason (``extra``: what lets its
-    sender find the answer, such as an operator request's id)."""
-    return Decision(verdict=verdict, history=(rejection(verdict, why, stage, attempt, **extra),))
+    sender find the answer, such as an operator request's id). Its id is not remembered (see
+    ``Step.decision``)."""
+    return Decision(
+        verdict=verdict, history=(rejection(verdict, why, stage, attempt, **extra),), remember=False
+    )
 
 
 def context_problems(plan: Mapping[str, Any], context: Mapping[str, Any]) -> list[str]:

@@ -130,8 +130,8 @@ class MemoryStore:
         sets = body["sets"]
         for i in range(0, len(sets), 2):
             run.record[sets[i]] = sets[i + 1]
-        for k, counter, count in body["inits"]:
-            run.barriers[names[k]] = {}
+        for k, counter, count, members in body["inits"]:
+            run.barriers[names[k]] = dict.fromkeys(members, "")
             run.record[counter] = str(count)
 
     def _append(self, run: MemoryRun, body: dict[str, Any]) -> None:

@@ -98,7 +98,10 @@ def build_spec(
         "at": now_ms,
         "expects": [[field_name(e.key, e.field), e.value] for e in decision.expects],
         "sets": sets,
-        "inits": [[index[b.key.name], counter_field(b.key.name), b.count] for b in decision.barriers],
+        "inits": [
+            [index[b.key.name], counter_field(b.key.name), b.count, list(b.members)]
+            for b in decision.barriers
+        ],
         "outbox": [[m.message_id, outbox_payload(m, run_id, now_ms)] for m in decision.outgoing],
         "history": [history_row(h) for h in decision.history],
         "expire_ms": retention_ms if decision.finished else 0,

@@ -263,7 +263,7 @@ def _epoch(segment: list[Event], status: str | None, *, last: bool) -> list[str]
 
 
 def _accepted_once(run: RunView) -> list[str]:
-    """Per epoch: at most one dispatch and one accepted outcome per (stage, attempt), one result per
+    """Per epoch: at most one dispatch and one accepted outcome per (stage, attempt, item), one result per
     finaliser, each barrier released at most once; and a completed run released, in its last epoch,
     exactly once every barrier it opened there."""
     found = []
@@ -271,8 +271,10 @@ def _accepted_once(run: RunView) -> list[str]:
     for number, segment in enumerate(segments, start=1):
         where = f" in epoch {number}" if len(segments) > 1 else ""
         dispatched = Counter((e.stage, e.attempt) for e in segment if e.kind == "stage.dispatched")
-        outcomes = Counter(
-            (e.stage, e.attempt) for e in segment if e.kind in ("stage.completed", "stage.failed")
+        outcomes = Counter(  # a bag's items settle one by one, each under its own attempt
+            (e.stage, e.attempt, e.detail.get("item"))
+            for e in segment
+            if e.kind in ("stage.completed", "stage.failed")
         )
         finalisers = Counter(
             e.stage for e in segment if e.kind in ("finaliser.completed", "finaliser.failed")

@@ -125,7 +125,7 @@ def test_two_accepted_results_for_one_attempt(run: Fabricated) -> None:
     run.write([*HAPPY[:6], ("stage.completed", "render-thumbnail", 1, {}), *HAPPY[6:]])
     violations = run.check()
     assert len(violations) == 2, violations
-    assert "2 accepted results for ('render-thumbnail', 1)" in violations[0]
+    assert "2 accepted results for ('render-thumbnail', 1, None)" in violations[0]
     assert "thumbnail.render: 2 successes accepted but 1 effects" in violations[1]  # the ledger agrees
 
 

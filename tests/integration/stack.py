@@ -135,12 +135,14 @@ class Stack:
             stderr=subprocess.STDOUT,
         )
 
-    def saga(self, *args: str, timeout_s: float = 120.0) -> subprocess.CompletedProcess[str]:
-        """Run ``saga ARGS`` against this stack (its vhost, key prefix and settings)."""
+    def saga(
+        self, *args: str, timeout_s: float = 120.0, extra_env: dict[str, str] | None = None
+    ) -> subprocess.CompletedProcess[str]:
+        """Run ``saga ARGS`` against this stack (its vhost, key prefix and settings, plus ``extra_env``)."""
         return subprocess.run(
             [sys.executable, "-m", "orchestrator", *args],
             cwd=ROOT,
-            env=self.env,
+            env={**self.env, **(extra_env or {})},
             capture_output=True,
             text=True,
             timeout=timeout_s,

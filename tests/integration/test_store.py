@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import pytest
+import redis
 import redis.asyncio as aioredis
 
 from orchestrator.compiler import CompiledPlan, compile_text
@@ -33,6 +34,7 @@ from orchestrator.store.redis_store import (
 )
 from orchestrator.store.spec import barrier_stages
 from tests.conftest import DEFINITIONS, DEMO_REGISTRY
+from tests.faults import invariants
 from tests.unit.engine_sim import SHARD, Sim, apply_event, handler_output
 from tests.unit.redrive_cases import Case, cases, redriven
 from tests.unit.redrive_cases import compiled as redrive_compiled
@@ -255,6 +257,13 @@ def test_memory_store_and_redis_store_agree_on_every_redrive(case: Case) -> None
         final = await redis_state(store, run_id, plan.plan)
         assert final.record["status"] == sim.status
         assert [h[0] for h in final.history] == sim.kinds()
+        # and the fault suite's shared invariants hold over what Redis now holds
+        await store.save_plan(plan.digest, plan.plan, plan.versions)
+        await store.claim(run_id, SHARD)
+        await store.client.delete(store.keys(SHARD).outbox())  # a replay publishes nothing
+        with redis.Redis.from_url(REDIS_URL, decode_responses=True) as r:
+            violations = invariants.check_runs(r, store.prefix, [run_id], expect_state=None, effects=False)
+        invariants.assert_no_violations(violations, case.id)
 
     with_store(test)
 

@@ -709,8 +709,9 @@ def test_failure_report_for_a_map_item_that_already_arrived_is_a_duplicate() -> 
     assert sim.status == "completed"
 
 
-def test_late_result_keeps_its_id_so_its_redelivery_is_a_duplicate() -> None:
-    """A result recorded as rejected (late) keeps its id, so its redelivery is a plain duplicate."""
+def test_a_refused_report_is_refused_again_on_redelivery_and_its_id_is_not_remembered() -> None:
+    """A result refused as late changes nothing; delivered again, it is refused again (the engine decides
+    the same), so nothing depends on remembering refused ids."""
     sim = sim_for("model-ingest", {"modelId": "m-1"}, fail_stages=frozenset({"technical-metadata"}))
     sim.deliver_at(0)
     sim.deliver_task("cache-lookup")
@@ -718,7 +719,24 @@ def test_late_result_keeps_its_id_so_its_redelivery_is_a_duplicate() -> None:
     sim.deliver_task("technical-metadata")
     handled = sim.deliver_task("semantic-analysis")
     assert late(handled) and handled is not None and handled.code == APPLIED
+    record = dict(sim.record)
 
     again = sim.handle(handled.event)
-    assert again.code == DUPLICATE
-    assert sim.history[-1]["detail"] == {"reason": "duplicate", "message_id": handled.event.message_id}
+    assert late(again) and sim.record == record
+    assert handled.event.message_id not in sim.store.runs[sim.run_id].applied
+
+
+def test_a_forgery_under_a_genuine_reports_id_does_not_block_that_report() -> None:
+    """A signed message that names another attempt under the id of a report still to come (a single
+    task's id does not carry its attempt: the fence does) is refused; the genuine report, when it comes,
+    is applied (a remembered refusal would make it a duplicate). Found by the signed-garbage fuzzer."""
+    sim = sim_for("model-ingest", {"modelId": "m-1"})
+    sim.deliver_at(0)
+    (task,) = [d.task for d in sim.pending if d.kind == "task"]
+    assert task is not None
+    genuine = report(sim.run_id, "cache-lookup", "1.1", True, {"modelId": "m-1", "hit": False})
+    forged = dataclasses.replace(genuine, attempt=2)
+    assert sim.handle(forged).verdict is Verdict.STALE
+    sim.pending.clear()
+    applied = sim.handle(dataclasses.replace(genuine, digest=str(task.body["digest"])))
+    assert applied.took_effect and sim.record["s:cache-lookup:status"] == "completed"

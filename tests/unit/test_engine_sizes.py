@@ -27,7 +27,7 @@ from tests.unit.engine_sim import Sim, report
 from tests.unit.redrive_cases import compiled, drive, in_order
 from workers.runtime import Outcome, report_body
 
-LIMITS = sizes.Limits(max_message_bytes=8192)
+LIMITS = sizes.Limits(max_message_bytes=16_384)  # the smallest the settings allow
 SIGNER = Signer.from_settings(("a-long-key-id-of-sixty-four-characters-which-is-the-most-allowed-x:s",))
 
 
@@ -38,10 +38,10 @@ def sized(max_chars: int) -> st.SearchStrategy[str]:
 
 
 CONTEXTS: dict[str, st.SearchStrategy[dict[str, Any]]] = {
-    "model-ingest": st.builds(lambda m: {"modelId": m}, sized(3000)),
-    "thumbnail-batch": st.builds(lambda ids: {"modelIds": ids}, st.lists(sized(900), max_size=12)),
-    "catalogue-reindex": st.builds(lambda i: {"index": i}, sized(3000)),
-    "ingest-triage": st.builds(lambda f: {"sizeMb": 1, "format": f}, sized(3000)),
+    "model-ingest": st.builds(lambda m: {"modelId": m}, sized(6000)),
+    "thumbnail-batch": st.builds(lambda ids: {"modelIds": ids}, st.lists(sized(1800), max_size=12)),
+    "catalogue-reindex": st.builds(lambda i: {"index": i}, sized(6000)),
+    "ingest-triage": st.builds(lambda f: {"sizeMb": 1, "format": f}, sized(6000)),
 }
 
 
@@ -100,7 +100,7 @@ def test_every_message_a_run_sends_fits_or_the_run_fails_at_the_step_with_the_re
 
 
 @settings(max_examples=60, deadline=None)
-@given(model=sized(3000))
+@given(model=sized(6000))
 def test_a_start_whose_context_bound_inputs_cannot_fit_is_refused_at_the_door(model: str) -> None:
     context = {"modelId": model}
     assume(fits_a_start(context))
@@ -129,7 +129,7 @@ def test_a_start_whose_context_bound_inputs_cannot_fit_is_refused_at_the_door(mo
 
 def test_a_compensation_too_large_to_send_fails_with_the_reason_and_the_rest_go_on() -> None:
     # render's input and result both carry the model id: the undo task carries both, about twice it
-    model = "é" * 1900
+    model = "é" * 3800
     sim = run("model-ingest", {"modelId": model}, frozenset({"semantic-analysis"}))
     assert sim.record["s:render-thumbnail:status"] == "completed"  # not undone: its undo never left
     (failed,) = [h for h in sim.history if h["kind"] == "compensation.failed"]
@@ -140,9 +140,9 @@ def test_a_compensation_too_large_to_send_fails_with_the_reason_and_the_rest_go_
 
 
 def test_a_result_too_large_to_send_is_reported_as_a_failure_that_says_so() -> None:
-    big = report_body(Outcome(True, {"blob": "€" * 3000}), LIMITS)
+    big = report_body(Outcome(True, {"blob": "€" * 6000}), LIMITS)
     assert big["ok"] is False and big["retryable"] is False
-    assert big["error"].startswith("the result cannot be sent: its message would be 9,")
+    assert big["error"].startswith("the result cannot be sent: its message would be 18,")
     small = report_body(Outcome(True, {"blob": "€" * 100}), LIMITS)
     assert small == {"ok": True, "result": {"blob": "€" * 100}}
     error = report_body(Outcome(False, "boom " * 100_000), LIMITS)
@@ -151,11 +151,11 @@ def test_a_result_too_large_to_send_is_reported_as_a_failure_that_says_so() -> N
 
 def test_an_output_too_large_for_the_finished_event_is_left_out_of_it_not_lost() -> None:
     # the output repeats the model id (model id, and the catalogue id made from it): twice the context
-    sim = run("model-ingest", {"modelId": "é" * 1900})
+    sim = run("model-ingest", {"modelId": "é" * 3800})
     assert sim.status == "completed"
     (event,) = sim.finished
     assert event.body["output"] is None and "saga status" in event.body["output_omitted"]
-    assert sim.output == {"modelId": "é" * 1900, "catalogueId": "cat-" + "é" * 1900}
+    assert sim.output == {"modelId": "é" * 3800, "catalogueId": "cat-" + "é" * 3800}
     check_every_message_fits(sim)
 
 
@@ -163,7 +163,7 @@ def test_a_nudge_does_not_resend_a_task_that_no_longer_fits_it_fails_the_attempt
     # Given a task sent under a larger limit, whose reader now refuses it (the limit was lowered)
     plan = compiled("model-ingest")
     sim = Sim(plan.plan, plan.digest)
-    sim.start({"modelId": "é" * 4000})
+    sim.start({"modelId": "é" * 8000})
     sim.deliver_at(0)  # the start: cache-lookup is dispatched
     (task,) = [d for d in sim.pending if d.kind == "task"]
     sim.pending.clear()  # ... and parked as oversized by the worker, so nothing will answer

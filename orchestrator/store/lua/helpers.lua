@@ -50,8 +50,12 @@ local function apply_writes(keys, spec)
     redis.call('HSET', keys[1], unpack(spec.sets))
   end
   for _, b in ipairs(spec.inits) do
+    -- a barrier (re)opened: cleared, its early members added (value ''), its counter set
     redis.call('DEL', keys[b[1]])
     redis.call('HSET', keys[1], b[2], b[3])
+    for _, member in ipairs(b[4]) do
+      redis.call('HSET', keys[b[1]], member, '')
+    end
   end
 end
 
