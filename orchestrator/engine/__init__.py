@@ -28,6 +28,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from orchestrator.engine import door, ids, liveness, redrive, sizes
+from orchestrator.engine.builder import dumps, rejected
 from orchestrator.engine.model import (
     ACTIVE_STAGE_STATUSES,
     FENCED_OFF,
@@ -56,7 +57,7 @@ from orchestrator.engine.model import (
     TimerFired,
     Verdict,
 )
-from orchestrator.engine.step import WORK_STAGE_TYPES, Step, dumps, rejected
+from orchestrator.engine.step import WORK_STAGE_TYPES, Step
 
 __all__ = ["advance"]
 

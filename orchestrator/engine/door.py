@@ -14,8 +14,9 @@ from typing import Any
 
 from orchestrator.dsl.binding import bind
 from orchestrator.engine import ids, sizes
+from orchestrator.engine.builder import context_problems
 from orchestrator.engine.model import RunSnapshot, RunStatus
-from orchestrator.engine.step import Step, context_problems
+from orchestrator.engine.step import Step
 from orchestrator.errors import BindingError
 
 __all__ = ["context_problems", "input_problems", "start_problems"]

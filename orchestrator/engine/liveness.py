@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from orchestrator.engine import clocks, ids, sizes
+from orchestrator.engine.builder import rejected
 from orchestrator.engine.model import (
     ACTIVE_STAGE_STATUSES,
     FENCED_OFF,
@@ -31,7 +32,7 @@ from orchestrator.engine.model import (
     TimerFired,
     Verdict,
 )
-from orchestrator.engine.step import Step, rejected
+from orchestrator.engine.step import Step
 
 
 def _attempt_problem(step: Step, stage: str, fence: str) -> tuple[Verdict, str] | None:

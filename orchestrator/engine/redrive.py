@@ -16,8 +16,9 @@ from __future__ import annotations
 import dataclasses
 
 from orchestrator.engine import ids
+from orchestrator.engine.builder import context_problems, rejected
 from orchestrator.engine.model import RUN, Clock, Decision, Redrive, RunStatus, Verdict
-from orchestrator.engine.step import Step, context_problems, rejected
+from orchestrator.engine.step import Step
 
 # Run fields that belong to an epoch's ending, cleared when the run lives again.
 ENDING_FIELDS = (

@@ -83,3 +83,28 @@ def test_an_unsent_outbox_entry_is_republished_and_marked_sent(stack: Stack) -> 
     assert "event-reconcile-probe" in repaired["unsent"]
     assert "event-reconcile-probe" in repaired["republished"]
     assert not stack.redis.hexists(outbox, "event-reconcile-probe")
+
+
+def test_an_outbox_entry_too_large_to_send_is_not_sent_and_its_step_fails_with_why(stack: Stack) -> None:
+    # Given a task committed under a 1 MiB limit and left unsent (the orchestrator died after the commit)
+    stack.stop("orchestrator")
+    stack.start_orchestrator("crashing", extra_env={"SAGA_CRASH_POINTS": "after-commit"})
+    with SyncClient(stack.settings) as client:
+        run_id = client.start("model-ingest", {"modelId": "m" * 40_000})
+    stack.wait_exit("crashing", timeout_s=30)
+    shard = poll(lambda: stack.shard_of(run_id), 10, what="the run's shard")
+    (task_id,) = stack.outbox(shard)
+    # When the reconciler runs where messages are limited to 32 KiB (the limit was lowered since)
+    small = {"SAGA_MAX_MESSAGE_BYTES": "32768"}
+    done = stack.saga("reconcile", "--json", "--min-age-s", "0", extra_env=small)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    # Then it is not sent: it is reported, removed, and its run nudged, which failed the step with why
+    assert report["undeliverable"] == [task_id] and task_id not in report["republished"]
+    assert task_id not in stack.outbox(shard)
+    record = stack.record(run_id)
+    assert record["s:cache-lookup:status"] == "failed"
+    assert "the task cannot be sent" in record["reason"] and "32,768" in record["reason"]
+    assert stack.queue_depths().get("tasks.actions", 0) == 0  # nothing parked, nothing sent
+    stack.start_orchestrator()
+    assert stack.wait_finished(run_id)["status"] == "failed"
