@@ -1,7 +1,8 @@
 """Validly signed garbage against a live run, through the real decode, processor and Redis.
 
 A worker key can sign anything, so a good signature says nothing about a message's fields. Hypothesis
-draws hundreds of correctly signed messages that name a live model-ingest run (``garbage.py``): every
+draws hundreds of correctly signed messages that name a live run (``garbage.py``) — a model-ingest run
+waiting for its render, and a bag of four items of which two have arrived: every
 kind, hostile stage labels and fences, other shards, huge, negative and mistyped numbers, malformed
 bodies. Each goes through ``decode`` and ``Processor.handle_batch`` exactly as the shard service does.
 None may raise (the service would redeliver it to the delivery limit and poison the run); each must be
@@ -19,7 +20,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +51,29 @@ SIGNER = Signer.from_settings((DEVELOPMENT_SIGNING_KEY,))
 REFUSED = {Verdict.DUPLICATE, Verdict.STALE, Verdict.LATE, Verdict.INVALID}
 
 
+@dataclass(frozen=True)
+class Scenario:
+    """A run to aim at: held with the tasks ``hold`` picks unanswered until the test answers them."""
+
+    context: dict[str, Any]
+    hold: Callable[[Mapping[str, Any]], bool]
+    output: Any
+
+
+SCENARIOS = {
+    "model-ingest": Scenario(
+        {"modelId": "m-live"},
+        lambda task: task["stage"] == "render-thumbnail",
+        {"modelId": "m-live", "catalogueId": "cat-m-live"},
+    ),
+    "thumbnail-batch": Scenario(
+        {"modelIds": ["a", "b", "c", "d"]},
+        lambda task: task["item"] in (2, 3),
+        {"count": 4, "thumbnails": [{"thumbnailUri": f"thumbs/{m}.png"} for m in "abcd"]},
+    ),
+}
+
+
 @dataclass
 class Live:
     loop: asyncio.AbstractEventLoop
@@ -58,27 +82,29 @@ class Live:
     processor: Processor
     target: Target
     plan: dict[str, Any]
+    scenario: Scenario
 
     def run(self, coro: Any) -> Any:
         return self.loop.run_until_complete(coro)
 
 
-@pytest.fixture(scope="module")
-def live() -> Iterator[Live]:
-    """A model-ingest run held with its render stage dispatched (nothing answers it until the test does)."""
+@pytest.fixture(scope="module", params=sorted(SCENARIOS))
+def live(request: pytest.FixtureRequest) -> Iterator[Live]:
+    """A run of the scenario's definition, held with some of its tasks unanswered."""
+    name, scenario = request.param, SCENARIOS[request.param]
     loop = asyncio.new_event_loop()
     client = aioredis.Redis.from_url(REDIS_URL, decode_responses=True)
     store = RedisStore(client, prefix=f"t{uuid.uuid4().hex}")
     processor = Processor(store, lambda: int(time.time() * 1000))
-    plan = compiled("model-ingest")
+    plan = compiled(name)
     target = Target(f"garbage-{uuid.uuid4().hex[:8]}", SHARD, plan.digest, tuple(plan.plan["stages"]), OTHER)
-    state = Live(loop, client, store, processor, target, plan.plan)
+    state = Live(loop, client, store, processor, target, plan.plan, scenario)
     try:
         state.run(store.load_library())
         state.run(store.save_plan(plan.digest, plan.plan, plan.versions))
-        start = start_envelope(SIGNER, target.run_id, "model-ingest", plan.digest, {"modelId": "m-live"})
+        start = start_envelope(SIGNER, target.run_id, name, plan.digest, scenario.context)
         state.run(processor.handle_batch(SHARD, [start]))
-        state.run(work(state, until_stage="render-thumbnail"))
+        state.run(work(state, scenario.hold))
         yield state
     finally:
         keys = state.run(_keys(client, store.prefix))
@@ -92,20 +118,18 @@ async def _keys(client: aioredis.Redis, prefix: str) -> list[str]:
     return [k async for k in client.scan_iter(match=f"{prefix}:*", count=1000)]
 
 
-async def work(live: Live, until_stage: str | None = None) -> None:
+async def work(live: Live, hold: Callable[[Mapping[str, Any]], bool] | None = None) -> None:
     """Answer what the run's outbox holds, as workers and the shard would (a task: its handler's result
-    under its report id; a release: applied), until ``until_stage``'s task is the next one, or nothing
-    is left."""
+    under its report id; a release: applied), but the tasks ``hold`` picks, until nothing else is left."""
     for _ in range(100):
         outbox = await live.store.outbox(SHARD)
-        if not outbox:
-            return
-        replies = []
-        for payload in outbox.values():
+        answered, replies = [], []
+        for message_id, payload in outbox.items():
             message = outgoing_from_payload(payload)
             body = message.body
-            if message.kind == "task" and body["stage"] == until_stage:
-                return
+            if message.kind == "task" and hold is not None and hold(body):
+                continue
+            answered.append(message_id)
             if message.kind == "task":
                 result = handler_output(str(body["contract"]), body["input"])
                 reply = {**body, "kind": "result", "message_id": ids.result_id(message.message_id)}
@@ -113,7 +137,9 @@ async def work(live: Live, until_stage: str | None = None) -> None:
                 replies.append(decode(sign(SIGNER, _reply_fields(reply)), SIGNER, MAX_BYTES))
             elif message.kind == "barrier.released":
                 replies.append(envelope_for(message, SIGNER, 0))
-        await live.store.mark_sent(SHARD, list(outbox))
+        if not answered:
+            return
+        await live.store.mark_sent(SHARD, answered)
         for reply in replies:
             await live.processor.handle_batch(SHARD, [reply])
 
@@ -192,7 +218,7 @@ def test_signed_garbage_is_refused_changes_nothing_and_the_run_completes(live: L
     live.run(work(live))
     record = live.run(live.client.hgetall(live.store.keys(SHARD).run(live.target.run_id)))
     assert record["status"] == "completed", record
-    assert json.loads(record["output"]) == {"modelId": "m-live", "catalogueId": "cat-m-live"}
+    assert json.loads(record["output"]) == live.scenario.output
     assert not [e for e in live.run(history(live)) if e["kind"] == "message.poisoned"]
 
 
