@@ -24,7 +24,6 @@ from orchestrator.bus.envelope import Signer
 from orchestrator.bus.publisher import Publisher
 from orchestrator.client import Client, RunNotFound, WaitTimeout
 from orchestrator.durability import DurabilityRefused, Role, check_startup
-from orchestrator.engine.sizes import Limits
 from orchestrator.errors import SagaError
 from orchestrator.provision import publish_plans
 from orchestrator.reconcile import Reconciler, Report
@@ -120,6 +119,7 @@ def orchestrator(shard_class: str | None, shards: str, verbose: bool) -> None:
             prefetch=settings.shard_prefetch,
             batch_max=settings.shard_prefetch,
             max_message_bytes=settings.max_message_bytes,
+            max_transition_bytes=settings.max_transition_bytes,
             crash_points=frozenset(settings.crash_points),
             poison_after=settings.delivery_limit - 1,
             redis_timeout_s=settings.redis_timeout_s,
@@ -428,7 +428,7 @@ def reconcile(dry_run: bool, min_age_s: float, stranded_after_s: float, as_json:
             signer = Signer.from_settings(settings.signing_keys)
             reconciler = Reconciler(
                 store,
-                Processor(store, lambda: int(time.time() * 1000), Limits(settings.max_message_bytes)),
+                Processor(store, lambda: int(time.time() * 1000), settings.limits()),
                 Publisher(channel, signer),
                 min_age_ms=int(min_age_s * 1000),
                 stranded_after_ms=int(stranded_after_s * 1000),

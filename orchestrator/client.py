@@ -23,8 +23,8 @@ import redis
 from orchestrator.bus import names
 from orchestrator.bus.envelope import Envelope, Kind, Signer, encode
 from orchestrator.engine.door import start_problems
-from orchestrator.engine.model import TERMINAL_RUN_STATUSES, RunStatus
-from orchestrator.engine.sizes import Limits
+from orchestrator.engine.model import TERMINAL_RUN_STATUSES, RunSnapshot, RunStatus
+from orchestrator.engine.sizes import not_json
 from orchestrator.errors import SagaError
 from orchestrator.settings import Settings, redis_client
 from orchestrator.store.keys import ShardKeys, active_key, index_key, plan_key
@@ -224,8 +224,13 @@ def checked_start(
     definition, and a message (and tasks) that fit ``SAGA_MAX_MESSAGE_BYTES``. Raises StartRefused."""
     if not isinstance(context, Mapping):
         raise StartRefused(definition, [f"the context must be a JSON object, not {type(context).__name__}"])
-    limits = Limits(settings.max_message_bytes)
-    problems = start_problems(plan.plan, plan.digest, context, limits) if plan.plan else []
+    invalid = not_json(context)
+    if invalid is not None:
+        raise StartRefused(definition, [f"the context: {invalid}"])
+    limits = settings.limits()
+    # the tasks will name the run, and a shard of the class that is not known yet: the longest one
+    identity = RunSnapshot(run_id, f"{plan.shard_class}.99999", plan.digest, RunStatus.PENDING, context)
+    problems = start_problems(plan.plan, plan.digest, context, limits, identity) if plan.plan else []
     if problems:
         raise StartRefused(definition, problems)
     envelope = start_envelope(signer, run_id, definition, plan.digest, context)

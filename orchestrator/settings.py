@@ -12,6 +12,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from orchestrator.compiler.limits import AdmissionLimits
 from orchestrator.dsl.expressions import ExpressionLimits
 from orchestrator.dsl.yaml_source import YamlLimits
+from orchestrator.engine.sizes import Limits
 
 DEFAULT_CONTRACT_MODULES = ("workers.demo",)
 #: The signing key every fresh checkout shares: fine on a laptop, a forgery licence anywhere else, so
@@ -73,6 +74,12 @@ class Settings(BaseSettings):
         description="no process reads a larger message, so no transition sends one (a task's body may "
         "take this less 2,048 bytes for its envelope); the same on every process",
     )
+    max_transition_bytes: int = Field(
+        64 * 1_048_576,
+        ge=1_048_576,
+        description="what one transition may send or write in all (a bag's item tasks, a bag's results): it "
+        "travels to Redis as one call",
+    )
     retention_ms: int = Field(7 * 86_400_000, ge=1000, description="how long finished runs are kept")
     crash_points: Annotated[tuple[str, ...], NoDecode] = Field(
         (), description="fault injection for tests only: kill -9 this process at these named points"
@@ -101,6 +108,10 @@ class Settings(BaseSettings):
         if not value:
             raise ValueError("must name at least one entry (comma-separated)")
         return value
+
+    def limits(self) -> Limits:
+        """The message limits every process applies alike."""
+        return Limits(self.max_message_bytes, self.max_transition_bytes)
 
     def admission_limits(self) -> AdmissionLimits:
         return AdmissionLimits(

@@ -302,12 +302,12 @@ class Outcome:
 
 
 def report_body(outcome: Outcome, limits: sizes.Limits) -> dict[str, Any]:
-    """The body of the report of ``outcome``. A result too large for a message is reported as a failure
-    that says so (sent as it is, the shard would refuse it unread and the attempt would wait for its
-    deadline, or for ever); an error text is cut to a bounded length."""
+    """The body of the report of ``outcome``. A result too large for a message, or not valid JSON (NaN),
+    is reported as a failure that says so (sent as it is, the shard would refuse it unread and the
+    attempt would wait for its deadline, or for ever); an error text is cut to a bounded length."""
     if outcome.ok:
         body = {"ok": True, "result": outcome.value}
-        problem = sizes.too_big(body, limits)
+        problem = sizes.not_json(outcome.value) or sizes.too_big(body, limits)
         if problem is None:
             return body
         return {"ok": False, "error": f"the result cannot be sent: {problem}", "retryable": False}

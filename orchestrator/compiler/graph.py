@@ -324,10 +324,18 @@ def _check_branch_regions(
     owner: dict[str, str] = {}
     reaching = set()
     join_path: Path = ("stages", facts.index[join.name], "required")
+    after_join = _region(join.name, "", adjacency) - {join.name}
     for branch in fork.branches:
         if branch not in facts.index or branch == join.name or isinstance(stages.get(branch), JoinStage):
             continue  # already reported: not a stage, or a join
         region = _region(branch, join.name, adjacency)
+        for stage in sorted((region - {join.name}) & after_join):
+            report.add(
+                ("stages", facts.index[stage], "name"),
+                f"is reachable from branch {branch!r} of fork {fork.name!r} without passing its join "
+                f"{join.name!r}, and again after the join, so it could run twice; route the branch there "
+                "only through the join (arrive at it, with acceptable_terminal_states) or end at a terminal",
+            )
         for stage in region - {join.name}:
             if stage in owner and owner[stage] != branch:
                 report.add(

@@ -27,7 +27,7 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from orchestrator.engine import door, ids, liveness, redrive, sizes
+from orchestrator.engine import door, ids, liveness, nudge, redrive, sizes
 from orchestrator.engine.builder import dumps, rejected
 from orchestrator.engine.model import (
     ACTIVE_STAGE_STATUSES,
@@ -117,7 +117,7 @@ def _start(
     step.record("run.started", definition=plan["name"], digest=digest)
     if plan.get("run_deadline_ms"):
         step.set_timer(Clock.RUN, "", ids.run_fence(1), plan["run_deadline_ms"])
-    problems = door.start_problems(plan, digest, event.context, limits)
+    problems = door.start_problems(plan, digest, event.context, limits, fresh)
     if problems:
         step.set_intent(Intent.FAILED, "; ".join(problems))
     else:
@@ -255,6 +255,13 @@ def _barrier_released(step: Step, event: BarrierReleased) -> Decision:
     step.expect(Key("counter", event.stage), "remaining", "0")
     step.guard(event.stage, rec)
     result = run.map_results.get(event.stage) if stage["type"] == "map" else None
+    if result is not None and sizes.body_bytes({"result": result}) > step.limits.max_transition_bytes:
+        why = (
+            f"its {len(result):,} item results together are over the "
+            f"{step.limits.max_transition_bytes:,}-byte limit for one transition (SAGA_MAX_TRANSITION_BYTES)"
+        )
+        step.fail_attempt(event.stage, stage, rec, why, retryable=False)
+        return step.decision()
     done_at = step.done_at(stage)
     step.set_stage(
         event.stage,
@@ -270,8 +277,36 @@ def _barrier_released(step: Step, event: BarrierReleased) -> Decision:
 
 def _compensation_result(step: Step, event: CompensationResult) -> Decision:
     run = step.run
-    label = f"compensate:{event.stage}"
-    if run.status is not RunStatus.FINALISING or run.intent is None or not run.compensations:
+    label = ids.compensation_label(event.stage)
+    refused = _not_the_current_compensation(step, event, label)
+    if refused is not None:
+        return refused
+    step.expect(RUN, "compensation_index", str(run.compensation_index))
+    step.expect(RUN, "status", run.status.value)
+    rec = run.stages[event.stage]
+    if event.ok:
+        step.set_stage(event.stage, dataclasses.replace(rec, status=StageStatus.COMPENSATED))
+        step.record("compensation.completed", label)
+    else:
+        # never silently skipped: the stage stays completed (its effect may remain) and the run says so
+        step.write(RUN, compensation_failed="1")
+        step.record("compensation.failed", label, error=sizes.bounded(event.error or "no message"))
+    if run.status is RunStatus.FAILED:
+        # a poison message failed the run while this undo was in flight: its outcome is recorded (a
+        # re-drive waits for it), and nothing else starts
+        step.removes.append((RUN, "phase"))
+        return step.decision()
+    step.start_compensation(run.compensations, event.index + 1)
+    return step.decision()
+
+
+def _not_the_current_compensation(step: Step, event: CompensationResult, label: str) -> Decision | None:
+    """Why a compensation report is not the one the run waits for (None: it is). A run that a poison
+    message failed while compensating still takes the report of the undo that was in flight."""
+    run = step.run
+    poisoned = run.status is RunStatus.FAILED and run.phase == "compensating"
+    compensating = run.status is RunStatus.FINALISING and run.intent is not None
+    if not run.compensations or not (compensating or poisoned):
         return rejected(Verdict.DUPLICATE, f"the run is {run.status.value}, not compensating", label)
     current = ids.compensation_fence(run.epoch, run.compensation_index)
     if event.index != run.compensation_index or event.fence != current:
@@ -282,18 +317,7 @@ def _compensation_result(step: Step, event: CompensationResult) -> Decision:
     task = ids.task_id(run.run_id, label, event.fence)
     if event.message_id != ids.result_id(task):
         return _not_a_report(event.message_id, task, label, None)
-    step.expect(RUN, "compensation_index", str(run.compensation_index))
-    step.expect(RUN, "status", RunStatus.FINALISING.value)
-    rec = run.stages[event.stage]
-    if event.ok:
-        step.set_stage(event.stage, dataclasses.replace(rec, status=StageStatus.COMPENSATED))
-        step.record("compensation.completed", label)
-    else:
-        # never silently skipped: the stage stays completed (its effect may remain) and the run says so
-        step.write(RUN, compensation_failed="1")
-        step.record("compensation.failed", label, error=sizes.bounded(event.error or "no message"))
-    step.start_compensation(run.compensations, event.index + 1)
-    return step.decision()
+    return None
 
 
 def _finaliser_result(step: Step, event: FinaliserResult) -> Decision:
@@ -337,6 +361,6 @@ _HANDLERS: dict[type, Callable[[Step, Any], Decision]] = {
     StageHeartbeat: liveness.heartbeat,
     TimerFired: liveness.timer_fired,
     CancelRun: liveness.cancel_run,
-    Nudge: liveness.nudge,
+    Nudge: nudge.nudge,
     Redrive: redrive.redrive,
 }

@@ -1,72 +1,115 @@
 """What a start must satisfy before its run does any work: the definition's context schema, and room in a
-message for every task input the context alone determines. Pure. The client checks the same before it
-publishes a start (so the caller hears at once), and the shard again when it creates the run (so a start
-that skipped the client cannot create a run that waits forever for a task nobody can read).
+message for every task the context alone determines. Pure. The client checks the same before it
+publishes a start (so the caller hears at once), the shard again when it creates the run (so a start
+that skipped the client cannot create a run that waits for ever for a task nobody can read), and a
+re-drive before it starts a new epoch.
 
-Inputs that also read stage results are checked when their stage is dispatched, like every task: the
-stage fails with the reason if its task cannot be sent.
+"The tasks the context alone determines" are those of the work stages a run reaches whatever its
+workers answer, as far as the context decides: from the entry, through every work stage's success,
+every branch of a fork, every join, and each decision whose branches read only the context (a decision
+that reads a stage result ends the walk there). Of those, each task whose input binds from the context
+alone is built exactly as it will be sent and measured. Every other task is measured when its stage is
+dispatched, and fails its stage with the reason if it cannot be sent.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Mapping
 from typing import Any
 
-from orchestrator.dsl.binding import bind
+from orchestrator.dsl.binding import bind, evaluate
 from orchestrator.engine import ids, sizes
 from orchestrator.engine.builder import context_problems
 from orchestrator.engine.model import RunSnapshot, RunStatus
-from orchestrator.engine.step import Step
+from orchestrator.engine.step import WORK_STAGE_TYPES, Step
 from orchestrator.errors import BindingError
 
-__all__ = ["context_problems", "input_problems", "start_problems"]
-
-# A context this small cannot make a context-bound input too big without an expression that repeats it
-# many times over, so the door does not bind every input of every start; the dispatch check still
-# catches such an input at its stage.
-MEASURE_ABOVE_SHARE = 16
+__all__ = ["context_problems", "start_problems", "task_problems"]
 
 
 def start_problems(
-    plan: Mapping[str, Any], digest: str, context: Mapping[str, Any], limits: sizes.Limits
+    plan: Mapping[str, Any],
+    digest: str,
+    context: Mapping[str, Any],
+    limits: sizes.Limits,
+    identity: RunSnapshot | None = None,
 ) -> list[str]:
-    """Every reason a start with ``context`` must be refused (empty: it may start)."""
+    """Every reason a start with ``context`` must be refused (empty: it may start). ``identity`` is the
+    run the tasks will name (its id, shard and tenant are part of their size); a client that does not
+    know the shard yet passes the longest its class can have."""
     problems = context_problems(plan, context)
     if problems:
         return [f"invalid context: {p}" for p in problems]
-    return input_problems(plan, digest, context, limits)
+    return task_problems(plan, digest, context, limits, identity)
 
 
-def input_problems(
-    plan: Mapping[str, Any], digest: str, context: Mapping[str, Any], limits: sizes.Limits
+def task_problems(
+    plan: Mapping[str, Any],
+    digest: str,
+    context: Mapping[str, Any],
+    limits: sizes.Limits,
+    identity: RunSnapshot | None = None,
 ) -> list[str]:
-    """The work stages whose task, bound from ``context`` alone, would not fit in a message."""
-    if sizes.body_bytes({"context": context}) * MEASURE_ABOVE_SHARE <= limits.max_body_bytes:
-        return []
-    run = RunSnapshot("door-check", "", digest, RunStatus.PENDING, context)
+    """The work stages a run certainly reaches whose task, bound from ``context``, would not fit."""
+    run = identity or RunSnapshot("door-check", "", digest, RunStatus.PENDING, context)
     step = Step(plan, digest, run, 0, limits=limits)
     problems = []
-    for name, stage in plan["stages"].items():
-        problem = _stage_problem(step, name, stage)
+    for name in reached(step):
+        problem = _stage_problem(step, name, plan["stages"][name])
         if problem is not None:
             problems.append(f"stage {name}: {problem}")
     return problems
 
 
+def reached(step: Step) -> list[str]:
+    """The work stages a run reaches whatever its workers answer, as far as its context decides."""
+    stages = step.plan["stages"]
+    todo, seen, found = deque([step.plan["entry"]]), set(), []
+    while todo:
+        name = todo.popleft()
+        if name in seen or name not in stages:
+            continue  # a terminal, or met before
+        seen.add(name)
+        stage = stages[name]
+        if stage["type"] in WORK_STAGE_TYPES:
+            found.append(name)
+            todo.append(stage["on_success"])
+        elif stage["type"] == "fork":
+            todo.extend(stage["branches"])
+        elif stage["type"] == "join":
+            todo.append(stage["on_success"])
+        elif stage["type"] == "decision":
+            todo.extend(_taken(step, name, stage))
+    return found
+
+
+def _taken(step: Step, name: str, stage: Mapping[str, Any]) -> list[str]:
+    """The branch a decision takes on the context alone ([] if it reads a stage result, or fails)."""
+    variables = step.variables()
+    for i, branch in enumerate(stage["branches"]):
+        try:
+            taken = evaluate(branch["when"], variables, f"{name}.branches[{i}].when")
+        except BindingError:
+            return []
+        if taken is True:
+            return [branch["next"]]
+        if taken is not False:
+            return []
+    return []
+
+
 def _stage_problem(step: Step, name: str, stage: Mapping[str, Any]) -> str | None:
     fence = ids.stage_fence(1, 1)
     try:
-        if stage["type"] in ("action", "worker"):
+        if stage["type"] != "map":
             task = step.stage_task(name, stage, 1, fence, step.bind_input(name, stage), None)
             problem = sizes.too_big(task.body, step.limits)
             return None if problem is None else f"the task cannot be sent: {problem}"
-        if stage["type"] == "map":
-            items = bind(stage["items"], step.variables(), None, f"{name}.items")
-            if not isinstance(items, list) or not items:
-                return None
-            inputs = [step.bind_input(name, stage, item=item, index=i) for i, item in enumerate(items)]
-            tasks = [step.stage_task(name, stage, 1, fence, payload, i) for i, payload in enumerate(inputs)]
-            return step.largest_too_big(tasks, inputs)
+        items = bind(stage["items"], step.variables(), None, f"{name}.items")
+        if not isinstance(items, list) or not items:
+            return None
+        inputs = [step.bind_input(name, stage, item=item, index=i) for i, item in enumerate(items)]
+        return step.bag_problem([step.stage_task(name, stage, 1, fence, p, i) for i, p in enumerate(inputs)])
     except BindingError:
         return None  # it reads stage results (or fails to bind): its dispatch decides
-    return None

@@ -45,7 +45,7 @@ class Ending(Builder):
         self.write(RUN, **fields)
         self.record("intent.set", intent=intent.value, reason=reason)
         if intent is Intent.FAILED:
-            self._cancel_active()
+            self.cancel_active()
             self.start_compensations()
             return
         self.start_finaliser(0)
@@ -105,7 +105,9 @@ class Ending(Builder):
         label = ids.compensation_label(name)
         return self.task(label, ref, self.plan["contracts"][ref]["queue"], 1, fence, undo_input)
 
-    def _cancel_active(self) -> None:
+    def cancel_active(self) -> None:
+        """Fence off every attempt still open (queued, running, waiting for its retry): cancelled, its
+        clocks cleared, its workers asked to stop. Its later reports are late or stale."""
         names = set(self.run.stages) | set(self.overlay)
         for name in sorted(names):
             rec = self.stage(name)

@@ -75,6 +75,12 @@ def parse_compensation_fence(fence: str) -> int | None:
     return int(match.group(2)) if match else None
 
 
+def fence_epoch(fence: str) -> int | None:
+    """The epoch a fence was issued in (``<epoch>.<...>``); None if ``fence`` names none."""
+    head = fence.partition(".")[0]
+    return int(head) if re.fullmatch(_NUMBER, head) else None
+
+
 def parse_item_label(label: str) -> tuple[str, int] | None:
     """(map stage, item) of ``<stage>#<item>``; None if ``label`` is not exactly that."""
     match = _ITEM_LABEL.fullmatch(label)

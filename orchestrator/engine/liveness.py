@@ -9,21 +9,20 @@ also claims its member in the shard's timer set, so a timer that was moved (a he
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from orchestrator.engine import clocks, ids, sizes
+from orchestrator.engine import clocks, ids
 from orchestrator.engine.builder import rejected
 from orchestrator.engine.model import (
     ACTIVE_STAGE_STATUSES,
     FENCED_OFF,
-    RUN,
     CancelRun,
     Clock,
     Decision,
     Intent,
     Key,
-    Nudge,
     RunStatus,
     StageAccepted,
     StageHeartbeat,
@@ -176,56 +175,9 @@ def cancel_run(step: Step, event: CancelRun) -> Decision:
     run = step.run
     if run.intent is not None:
         why = f"the run already has the {run.intent.value} intent ({run.reason or 'no reason'})"
-        return rejected(Verdict.LATE, why, None)
+        # remembered: a refused request delivered again after a re-drive must not cancel the new epoch
+        return dataclasses.replace(rejected(Verdict.LATE, why, None, request=event.message_id), remember=True)
     reason = "cancelled" + (f": {event.reason}" if event.reason else "")
     step.record("cancel.requested", by=event.requested_by, why=event.reason)
     step.set_intent(Intent.FAILED, reason)
     return step.decision()
-
-
-def nudge(step: Step, event: Nudge) -> Decision:
-    """Re-send the tasks a stranded run waits for, with their own ids (a slow one becomes a duplicate)."""
-    run = step.run
-    if run.status in (RunStatus.COMPLETED, RunStatus.FAILED):
-        return rejected(Verdict.LATE, f"the run is {run.status.value}", None)
-    step.expect(RUN, "status", run.status.value)
-    # a task that no longer fits a message is not sent again: it fails as if it had, with the reason
-    if run.status is RunStatus.FINALISING and run.phase == "compensating":
-        index = run.compensation_index
-        step.expect(RUN, "compensation_index", str(index))
-        task = step.compensation_task(run.compensations[index], index)
-        if sizes.too_big(task.body, step.limits) is None:
-            step.outgoing.append(task)
-        else:
-            step.start_compensation(run.compensations, index)
-    elif run.status is RunStatus.FINALISING:
-        step.expect(RUN, "finaliser_index", str(run.finaliser_index))
-        task = step.finaliser_task(run.finaliser_index)
-        if sizes.too_big(task.body, step.limits) is None:
-            step.outgoing.append(task)
-        else:
-            step.start_finaliser(run.finaliser_index)
-    else:
-        for name, rec in sorted(run.stages.items()):
-            stage = step.plan["stages"].get(name, {})
-            if rec.status in ACTIVE_STAGE_STATUSES and stage.get("type") in ("action", "worker"):
-                _resend(step, name, stage, rec)
-    if not step.outgoing and not step.writes:
-        return rejected(Verdict.INVALID, "nothing to re-send: no attempt is waiting on a worker", None)
-    step.record("run.nudged", resent=[m.message_id for m in step.outgoing if m.kind == "task"])
-    return step.decision()
-
-
-def _resend(step: Step, name: str, stage: Mapping[str, Any], rec: StageRecord) -> None:
-    """Re-send an attempt's task, unless it can no longer be sent (the message limit was lowered since,
-    or it was committed before tasks were measured): then the attempt fails with why, since sending it
-    again would only park another copy on saga.rejected."""
-    step.guard(name, rec)
-    task = step.resend_task(name, stage, rec)
-    problem = sizes.too_big(task.body, step.limits)
-    if problem is None:
-        step.outgoing.append(task)
-        return
-    error = f"the task cannot be sent: {problem}"
-    step.record("stage.failed", name, rec.attempt, error=error, reason="size")
-    step.fail_attempt(name, stage, rec, error, retryable=False)

@@ -241,6 +241,8 @@ class RunSnapshot:
     stages: Mapping[str, StageRecord] = field(default_factory=dict)
     map_results: Mapping[str, list[Any]] = field(default_factory=dict)
     barriers: Mapping[str, int] = field(default_factory=dict)  # join or map -> arrivals it still waits for
+    # join or map -> the members that arrived; read only for a nudge (re-sending a bag's missing items)
+    arrivals: Mapping[str, frozenset[str]] = field(default_factory=dict)
 
 
 # ---- decision --------------------------------------------------------------------------------------

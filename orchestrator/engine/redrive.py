@@ -6,17 +6,26 @@ epoch (``Step.enter``); every other stage reached runs afresh with fences of the
 still in flight from the old epoch is stale. Compensated stages run again (their effect was undone).
 Finalisers run once per epoch, and the run deadline starts again.
 
-A run whose context does not fit its definition's context schema cannot be re-driven: the context is
-pinned with the run, so the new epoch could only fail the same way (or worse, complete on input the
-definition refuses). The request is refused with the reason; start a new run with a valid context.
+A run whose start cannot pass the door (a context its definition's schema refuses, or that makes a task
+too large to send) cannot be re-driven: the context is pinned with the run, so the new epoch could only
+fail the same way (or worse, complete on input the definition refuses). The request is refused with the
+reason; start a new run instead.
+
+A run marked failed by a poison message ended without the usual fencing: work may still be in flight.
+The re-drive fences it first (open attempts cancelled, their clocks cleared, their workers asked to
+stop). A compensation in flight is different: its undo may still happen, after any redo, so the re-drive
+is refused until that compensation has reported (the engine takes its report on the failed run).
+
+Operator requests are remembered even when refused (their ids are random, one per request), so a
+refused request that the broker delivers again after the run changed cannot take effect late.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from orchestrator.engine import ids
-from orchestrator.engine.builder import context_problems, rejected
+from orchestrator.engine import door, ids
+from orchestrator.engine.builder import rejected
 from orchestrator.engine.model import RUN, Clock, Decision, Redrive, RunStatus, Verdict
 from orchestrator.engine.step import Step
 
@@ -39,14 +48,22 @@ def redrive(step: Step, event: Redrive) -> Decision:
     run = step.run
     if run.status is not RunStatus.FAILED:
         why = f"only a failed run can be re-driven; run {run.run_id} is {run.status.value}"
-        return rejected(Verdict.INVALID, why, None, request=event.message_id)
-    problems = context_problems(step.plan, run.context)
+        return refused(why, event)
+    if run.phase == "compensating":
+        undoing = ids.compensation_label(run.compensations[run.compensation_index])
+        why = (
+            f"run {run.run_id} was failed by a poison message while {undoing} was in flight: that undo "
+            "may still run, so its stage can be neither reused nor run again yet; re-drive once it has "
+            "reported (compensation.completed or compensation.failed in the run's history)"
+        )
+        return refused(why, event)
+    problems = door.start_problems(step.plan, step.digest, run.context, step.limits, run)
     if problems:
         why = (
-            f"run {run.run_id} cannot be re-driven: its context does not fit the definition's context "
-            f"schema ({'; '.join(problems)}), and a run keeps its context; start a new run instead"
+            f"run {run.run_id} cannot be re-driven: its start does not pass the door "
+            f"({'; '.join(problems)}), and a run keeps its context; start a new run instead"
         )
-        return rejected(Verdict.INVALID, why, None, request=event.message_id)
+        return refused(why, event)
     epoch = run.epoch + 1
     fresh = dataclasses.replace(
         run,
@@ -66,6 +83,7 @@ def redrive(step: Step, event: Redrive) -> Decision:
     walk.expect(RUN, "status", RunStatus.FAILED.value)
     walk.expect(RUN, "epoch", str(run.epoch))
     walk.removes.extend((RUN, name) for name in ENDING_FIELDS)
+    walk.cancel_active()  # a poisoned run ended with its work in flight
     walk.write(RUN, epoch=str(epoch), status=RunStatus.RUNNING.value)
     walk.record(
         "run.redriven", epoch=epoch, by=event.requested_by, why=event.reason, request=event.message_id
@@ -74,3 +92,8 @@ def redrive(step: Step, event: Redrive) -> Decision:
         walk.set_timer(Clock.RUN, "", ids.run_fence(epoch), step.plan["run_deadline_ms"])
     walk.enter(None, step.plan["entry"])
     return walk.decision()
+
+
+def refused(why: str, event: Redrive) -> Decision:
+    """A refused request, recorded under its id (so the CLI finds the answer) and remembered."""
+    return dataclasses.replace(rejected(Verdict.INVALID, why, None, request=event.message_id), remember=True)

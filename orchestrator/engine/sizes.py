@@ -24,12 +24,17 @@ ENVELOPE_MARGIN_BYTES = 2048
 MAX_ERROR_CHARS = 2000
 
 
+DEFAULT_MAX_TRANSITION_BYTES = 64 * 1_048_576
+
+
 @dataclass(frozen=True)
 class Limits:
     """The runtime limits a transition must respect (from ``Settings``, passed in: the engine reads no
-    configuration)."""
+    configuration). ``max_transition_bytes`` bounds what one transition sends or writes in all (a bag's
+    item tasks, a bag's results), which travels to Redis as one call."""
 
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    max_transition_bytes: int = DEFAULT_MAX_TRANSITION_BYTES
 
     @property
     def max_body_bytes(self) -> int:
@@ -55,6 +60,16 @@ def too_big(body: Mapping[str, Any], limits: Limits) -> str | None:
         f"message body (SAGA_MAX_MESSAGE_BYTES {limits.max_message_bytes:,} less "
         f"{ENVELOPE_MARGIN_BYTES} for the envelope)"
     )
+
+
+def not_json(value: Any) -> str | None:
+    """Why ``value`` cannot travel in a message as JSON (None: it can). NaN and infinities are not JSON:
+    a reader re-serialises them as null, so the signature over them no longer matches."""
+    try:
+        json.dumps(value, allow_nan=False)
+    except ValueError as exc:
+        return f"it is not valid JSON ({exc})"
+    return None
 
 
 def bounded(text: str, limit: int = MAX_ERROR_CHARS) -> str:

@@ -84,13 +84,15 @@ class Step(Ending):
                 return
 
     def _reuse(self, name: str) -> bool:
-        """A work stage entered when it has already completed (and was not compensated) keeps its result
-        and is not run again; the route goes on from it. Plans have no cycles, so within one epoch a stage
-        is entered once: this is a re-driven run meeting what an earlier epoch did, in whichever
-        transition of the new epoch reaches it."""
-        rec = self.run.stages.get(name)
+        """A work stage that completed in an earlier epoch (and was not compensated) keeps its result and
+        is not run again; the route goes on from it, in whichever transition of the re-driven epoch
+        reaches it, not only the re-drive's own walk."""
+        rec = self.stage(name)
         if rec is None or rec.status is not StageStatus.COMPLETED:
             return False
+        epoch = ids.fence_epoch(rec.fence)
+        if epoch is None or epoch >= self.run.epoch:
+            return False  # completed in this epoch: the compiler keeps routes from entering it again
         self.expect(Key("stage", name), "fence", rec.fence)
         self.record("stage.reused", name, rec.attempt, from_fence=rec.fence)
         self.enter(name, self.plan["stages"][name]["on_success"])
@@ -180,7 +182,7 @@ class Step(Ending):
                 self.fail_to_start(name, stage, str(exc))
                 return
         tasks = [self.stage_task(name, stage, 1, fence, payload, i) for i, payload in enumerate(inputs)]
-        problem = self.largest_too_big(tasks, inputs)
+        problem = self.bag_problem(tasks)
         if problem is not None:
             self.fail_to_start(name, stage, problem)
             return
@@ -191,16 +193,22 @@ class Step(Ending):
         if stage.get("execution_deadline_ms"):  # a bag has one clock: from dispatch to its last item
             self.set_timer(Clock.EXECUTION, name, fence, stage["execution_deadline_ms"])
 
-    def largest_too_big(self, tasks: list[Outgoing], inputs: list[Any]) -> str | None:
-        """Why one of a map's item tasks cannot be sent (None: all fit). Item tasks differ only in their
-        input, so when all inputs together fit beside one task's identity, every task does; only a bag
-        near the limit pays for measuring each task."""
-        if sizes.body_bytes({"all": inputs}) + sizes.body_bytes(tasks[0].body) <= self.limits.max_body_bytes:
-            return None
+    def bag_problem(self, tasks: list[Outgoing]) -> str | None:
+        """Why a map's item tasks cannot be sent (None: they can): one is too large for a message, or
+        together they are too large for the one transition that sends them all."""
+        total = 0
         for index, task in enumerate(tasks):
-            problem = sizes.too_big(task.body, self.limits)
-            if problem is not None:
-                return f"the task of item {index} cannot be sent: {problem}"
+            size = sizes.body_bytes(task.body)
+            if size > self.limits.max_body_bytes:
+                return f"the task of item {index} cannot be sent: {sizes.too_big(task.body, self.limits)}"
+            total += size
+            if total > self.limits.max_transition_bytes:
+                limit = self.limits.max_transition_bytes
+                return (
+                    f"its {len(tasks):,} tasks together are over the {limit:,}-byte limit for what one "
+                    "transition sends (SAGA_MAX_TRANSITION_BYTES); bind smaller items, or pass large data "
+                    "by reference"
+                )
         return None
 
     def dispatch(self, name: str, stage: Mapping[str, Any], attempt: int) -> None:

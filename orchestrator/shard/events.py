@@ -95,6 +95,11 @@ def to_event(envelope: Envelope) -> Event | str:
 
 
 def _request(envelope: Envelope) -> Event | str:
+    # A refused request is remembered under its id (it must not act if delivered again after the run
+    # changed), so its id must never be one a report could carry: it starts with the request's kind.
+    prefix = f"{envelope.kind.value}-"
+    if not envelope.message_id.startswith(prefix) or envelope.message_id == prefix:
+        return f"a {envelope.kind.value} request's id is '{prefix}<unique>', not {envelope.message_id!r}"
     try:
         body = RequestBody.model_validate(envelope.body)
     except ValidationError as exc:

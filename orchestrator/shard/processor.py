@@ -216,11 +216,16 @@ class Processor:
         )
 
     async def nudge(self, shard: str, run_id: str, message_id: str) -> Outcome:
-        """Re-send what a stranded run waits for (the reconciler's repair)."""
+        """Re-send what a stranded run waits for (the reconciler's repair), a bag's missing items too."""
         loaded = await self._load(shard, run_id)
         if loaded is None:
             return Outcome(rejected=("unknown-run", f"run {run_id} does not exist on {shard}"))
-        return await self._continue_with(shard, run_id, Nudge(message_id), *loaded)
+        plan, snapshot = loaded
+        bags = tuple(n for n in snapshot.stages if plan["stages"].get(n, {}).get("type") == "map")
+        with_members = await self.store.snapshot(shard, run_id, members_of=bags) if bags else snapshot
+        if with_members is None:
+            return Outcome(rejected=("unknown-run", f"run {run_id} does not exist on {shard}"))
+        return await self._decide(shard, run_id, Nudge(message_id), plan, snapshot.digest, None, with_members)
 
     async def _load(self, shard: str, run_id: str) -> tuple[dict[str, Any], RunSnapshot] | None:
         """A run's plan and snapshot, or None if the run does not exist on this shard."""

@@ -32,7 +32,7 @@ from orchestrator.bus import names
 from orchestrator.bus.envelope import Envelope, EnvelopeRejected, Signer, decode
 from orchestrator.bus.publisher import Publisher, envelope_for
 from orchestrator.engine.model import Outgoing
-from orchestrator.engine.sizes import Limits
+from orchestrator.engine.sizes import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_MAX_TRANSITION_BYTES, Limits
 from orchestrator.reconcile import Reconciler
 from orchestrator.shard.processor import Outcome, Processor
 from orchestrator.store.redis_store import RedisStore
@@ -50,7 +50,8 @@ def now_ms() -> int:
 class ShardOptions:
     prefetch: int = 64
     batch_max: int = 64
-    max_message_bytes: int = 1_048_576
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    max_transition_bytes: int = DEFAULT_MAX_TRANSITION_BYTES
     relay_interval_s: float = 5.0
     relay_min_age_ms: int = 2_000  # younger entries are most likely being published right now
     redis_retry_s: float = 0.5
@@ -94,7 +95,8 @@ class ShardService:
     _stopping: asyncio.Event = field(default_factory=asyncio.Event)
 
     def __post_init__(self) -> None:
-        self.processor = Processor(self.store, self.clock_ms, Limits(self.options.max_message_bytes))
+        limits = Limits(self.options.max_message_bytes, self.options.max_transition_bytes)
+        self.processor = Processor(self.store, self.clock_ms, limits)
 
     def stop(self) -> None:
         """Finish the batch in hand, stop consuming, close: SIGTERM drains."""

@@ -7,6 +7,7 @@ tested against the same scenarios, so the two cannot drift apart unnoticed.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,6 +18,7 @@ from orchestrator.store.spec import (
     Spec,
     build_spec,
     ordered_items,
+    poison_spec,
     snapshot_from_record,
 )
 
@@ -41,7 +43,9 @@ class MemoryStore:
     def due_timers(self, now_ms: int) -> list[str]:
         return [m for m, due in sorted(self.timers.items(), key=lambda t: (t[1], t[0])) if due <= now_ms]
 
-    def snapshot(self, run_id: str) -> RunSnapshot | None:
+    def snapshot(self, run_id: str, *, with_members: bool = False) -> RunSnapshot | None:
+        """The run's snapshot, with every map's item results (and, ``with_members``, every barrier's
+        members, as the Redis store reads them for a nudge)."""
         run = self.runs.get(run_id)
         if run is None or not run.record:
             return None
@@ -50,7 +54,11 @@ class MemoryStore:
             for name, members in run.barriers.items()
             if all(k.isdigit() for k in members)
         }
-        return snapshot_from_record(run.record, maps)
+        snapshot = snapshot_from_record(run.record, maps)
+        if not with_members:
+            return snapshot
+        arrivals = {name: frozenset(members) for name, members in run.barriers.items()}
+        return dataclasses.replace(snapshot, arrivals=arrivals)
 
     def apply(
         self, run_id: str, message_id: str, decision: Decision, barriers: list[str], now_ms: int = 0
@@ -79,7 +87,7 @@ class MemoryStore:
         if not exists or run is None:
             self.timers.pop(body.get("claim") or "", None)  # a timer of an expired run
             return NO_RUN, ""
-        if spec.function == "saga_transition" and not self._claimed(body):
+        if not self._claimed(body):
             return TIMER_GONE, ""
         if spec.function == "saga_transition" and body["mid"] in run.applied:
             return self._duplicate(run, body, None)
@@ -99,6 +107,11 @@ class MemoryStore:
         return not claim or self.timers.get(claim, body["at"] + 1) <= body["at"]
 
     def _commit(self, run: MemoryRun, body: dict[str, Any], names: dict[int, str]) -> None:
+        self._apply_all(run, body, names)
+        self._history(run, body)
+
+    def _apply_all(self, run: MemoryRun, body: dict[str, Any], names: dict[int, str]) -> None:
+        """Every write of an accepted transition but its history (helpers.lua: apply_all)."""
         self._write(run, body, names)
         if body.get("remember", True):
             run.applied.add(body["mid"])
@@ -106,16 +119,15 @@ class MemoryStore:
             self.timers.pop(member, None)
         for member, due in body.get("timers", []):
             self.timers[member] = due
-        self._append(run, body)
+        for message_id, payload in body["outbox"]:
+            self.outbox[message_id] = payload
 
     def _arrive(self, run: MemoryRun, body: dict[str, Any], names: dict[int, str]) -> tuple[int, str]:
         a = body["arrival"]
-        members = run.barriers.setdefault(names[a["k"]], {})
-        if a["member"] in members:
+        if a["member"] in run.barriers.get(names[a["k"]], {}):
             return self._duplicate(run, body, a["stage"])
-        sets = body["sets"]
-        for i in range(0, len(sets), 2):
-            run.record[sets[i]] = sets[i + 1]
+        self._apply_all(run, body, names)
+        members = run.barriers.setdefault(names[a["k"]], {})
         members[a["member"]] = a["value"]
         remaining = int(run.record.get(a["counter"], "0")) - 1
         run.record[a["counter"]] = str(remaining)
@@ -133,11 +145,6 @@ class MemoryStore:
         for k, counter, count, members in body["inits"]:
             run.barriers[names[k]] = dict.fromkeys(members, "")
             run.record[counter] = str(count)
-
-    def _append(self, run: MemoryRun, body: dict[str, Any]) -> None:
-        for message_id, payload in body["outbox"]:
-            self.outbox[message_id] = payload
-        self._history(run, body)
 
     def _history(self, run: MemoryRun, body: dict[str, Any]) -> None:
         for kind, stage, attempt, detail in body["history"]:
@@ -163,6 +170,24 @@ class MemoryStore:
             }
         )
         return DUPLICATE, body["mid"]
+
+    def poison(self, run_id: str, message_id: str, error: str, now_ms: int) -> int:
+        """lua/poison.lua: fail the run a poison message names, touching nothing else."""
+        body = poison_spec(message_id, error, now_ms).body
+        run = self.runs.get(run_id)
+        if run is None or not run.record:
+            return NO_RUN
+        detail = {"message_id": message_id, "error": error}
+        run.history.append(
+            {"kind": "message.poisoned", "stage": "", "attempt": "", "at": now_ms, "detail": detail}
+        )
+        if run.record.get("status") in ("completed", "failed"):
+            return DUPLICATE
+        run.record.setdefault("intent", "failed")
+        run.record.update(status="failed", reason=body["reason"], finished_at=str(now_ms))
+        failed = {"reason": body["reason"]}
+        run.history.append({"kind": "run.failed", "stage": "", "attempt": "", "at": now_ms, "detail": failed})
+        return APPLIED
 
     def mark_sent(self, ids: list[str]) -> int:
         return sum(1 for i in ids if self.outbox.pop(i, None) is not None)

@@ -8,6 +8,7 @@ missing: a restarted Redis that persists nothing has lost it.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from collections.abc import Mapping
@@ -22,7 +23,14 @@ from orchestrator.engine import clocks
 from orchestrator.engine.model import Decision, RunSnapshot
 from orchestrator.errors import SagaError
 from orchestrator.store.keys import ShardKeys, active_key, index_key, plan_key
-from orchestrator.store.spec import Spec, barrier_stages, build_spec, ordered_items, snapshot_from_record
+from orchestrator.store.spec import (
+    Spec,
+    barrier_stages,
+    build_spec,
+    ordered_items,
+    poison_spec,
+    snapshot_from_record,
+)
 
 LUA_FILES = ("helpers.lua", "create.lua", "transition.lua", "arrive.lua", "mark_sent.lua", "poison.lua")
 APPLIED, DUPLICATE, CONFLICT, EXISTS, NO_RUN, TIMER_GONE = 0, 1, 2, 3, 4, 5
@@ -97,7 +105,11 @@ class RedisStore:
 
     # ---- runs --------------------------------------------------------------------------------------
 
-    async def snapshot(self, shard: str, run_id: str, map_stage: str | None = None) -> RunSnapshot | None:
+    async def snapshot(
+        self, shard: str, run_id: str, map_stage: str | None = None, members_of: tuple[str, ...] = ()
+    ) -> RunSnapshot | None:
+        """A run's snapshot; ``map_stage``: with that map's item results; ``members_of``: with the
+        members that arrived at those barriers (a nudge re-sends a bag's missing items)."""
         keys = self.keys(shard)
         record = await self.client.hgetall(keys.run(run_id))  # type: ignore[misc]
         if not record:
@@ -106,7 +118,14 @@ class RedisStore:
         if map_stage is not None:
             members = await self.client.hgetall(keys.barrier(run_id, map_stage))  # type: ignore[misc]
             maps[map_stage] = ordered_items(_text(members))
-        return snapshot_from_record(_text(record), maps)
+        snapshot = snapshot_from_record(_text(record), maps)
+        if not members_of:
+            return snapshot
+        arrivals = {}
+        for barrier in members_of:
+            members = await self.client.hkeys(keys.barrier(run_id, barrier))  # type: ignore[misc]
+            arrivals[barrier] = frozenset(_str(m) for m in members)
+        return dataclasses.replace(snapshot, arrivals=arrivals)
 
     async def snapshots(self, shard: str, wanted: list[tuple[str, str | None]]) -> list[RunSnapshot | None]:
         """Many snapshots in one round trip: ``wanted`` is (run id, map stage to load results of)."""
@@ -199,8 +218,7 @@ class RedisStore:
 
     async def poison(self, shard: str, run_id: str, message_id: str, error: str, now_ms: int) -> int:
         """Mark the run a poison message names failed (lua/poison.lua); returns the Lua code."""
-        reason = f"poison message {message_id}: its transition failed on every delivery ({error})"
-        spec = Spec("saga_poison", {"at": now_ms, "mid": message_id, "reason": reason, "error": error})
+        spec = poison_spec(message_id, error, now_ms)
         keys = self.keys(shard).transition_keys(run_id, [])
         code, _ = await self._fcall(spec, keys)
         return int(code)

@@ -123,8 +123,15 @@ def build_spec(
             "value": a.result or "",
             "release": [a.release.message_id, outbox_payload(a.release, run_id, now_ms)],
         }
+        body["remember"] = False  # the barrier's membership is an arrival's dedupe
         return Spec("saga_arrive", body)
     return Spec("saga_create" if decision.create else "saga_transition", body)
+
+
+def poison_spec(message_id: str, error: str, now_ms: int) -> Spec:
+    """The spec of ``saga_poison``: fail the run a poison message names, with the reason."""
+    reason = f"poison message {message_id}: its transition failed on every delivery ({error})"
+    return Spec("saga_poison", {"at": now_ms, "mid": message_id, "reason": reason, "error": error})
 
 
 def snapshot_from_record(record: Mapping[str, str], map_results: Mapping[str, list[Any]]) -> RunSnapshot:

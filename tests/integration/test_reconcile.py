@@ -108,3 +108,23 @@ def test_an_outbox_entry_too_large_to_send_is_not_sent_and_its_step_fails_with_w
     assert stack.queue_depths().get("tasks.actions", 0) == 0  # nothing parked, nothing sent
     stack.start_orchestrator()
     assert stack.wait_finished(run_id)["status"] == "failed"
+
+
+def test_a_bag_whose_item_tasks_vanished_is_nudged_and_only_its_missing_items_are_sent_again(
+    stack: Stack,
+) -> None:
+    with SyncClient(stack.settings) as client:
+        stack.stop("worker")
+        models = [f"bag-stranded-{i}" for i in range(5)]
+        run_id = client.start("thumbnail-batch", {"modelIds": models})
+        poll(lambda: stack.record(run_id).get("s:render-all:status") == "queued", 20, what="dispatched")
+        poll(lambda: not stack.outbox(stack.record(run_id)["shard"]), 20, what="the dispatch confirmed")
+        rabbitmqctl("purge_queue", "-p", stack.vhost, "tasks.parallel")  # every item task is gone
+        time.sleep(1.1)  # history quiet for a second
+        repaired = reconcile(stack, "--stranded-after-s", "1")
+        assert run_id in repaired["nudged"]
+        stack.start_worker()
+        result = client.wait(run_id, timeout_s=30)
+    assert result.state == "completed" and result.output["count"] == 5
+    (nudged,) = [e for e in stack.history(run_id) if e["kind"] == "run.nudged"]
+    assert len(nudged["detail"]["resent"]) == 5

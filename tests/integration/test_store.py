@@ -35,7 +35,7 @@ from orchestrator.store.redis_store import (
 from orchestrator.store.spec import barrier_stages
 from tests.conftest import DEFINITIONS, DEMO_REGISTRY
 from tests.faults import invariants
-from tests.unit.engine_sim import SHARD, Sim, apply_event, handler_output
+from tests.unit.engine_sim import SHARD, Poisoned, Sim, apply_event, handler_output
 from tests.unit.redrive_cases import Case, cases, redriven
 from tests.unit.redrive_cases import compiled as redrive_compiled
 
@@ -247,6 +247,10 @@ def test_memory_store_and_redis_store_agree_on_every_redrive(case: Case) -> None
     async def test(store: RedisStore) -> None:
         memory = MemoryStore()
         for step, (event, now) in enumerate(sim.log):
+            if isinstance(event, Poisoned):  # lua/poison.lua and its port
+                code = await store.poison(SHARD, run_id, event.message_id, event.error, now)
+                assert code == memory.poison(run_id, event.message_id, event.error, now), (step, event)
+                continue
             mine = apply_event(memory, plan.plan, plan.digest, run_id, event, now)
             code, detail, decision = await redis_apply(store, plan.plan, plan.digest, run_id, event, now)
             assert (code, detail, decision) == (mine.code, mine.detail, mine.decision), (step, event)

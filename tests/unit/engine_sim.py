@@ -37,6 +37,7 @@ from orchestrator.engine.model import (
     Decision,
     Event,
     FinaliserResult,
+    Nudge,
     Outgoing,
     RunSnapshot,
     StageAccepted,
@@ -154,7 +155,7 @@ def apply_event(
     barriers = barrier_stages(plan)
     conflicts = 0
     for _ in range(MAX_CONFLICT_RETRIES):
-        snapshot = store.snapshot(run_id)
+        snapshot = store.snapshot(run_id, with_members=isinstance(event, Nudge))
         decision = advance(plan, snapshot.digest if snapshot else digest, snapshot, event, now_ms, limits)
         if snapshot is None and not decision.create:
             return Handled(event, decision, None, "", ())
@@ -166,12 +167,26 @@ def apply_event(
     raise AssertionError(f"{MAX_CONFLICT_RETRIES} conflicts in a row for {event}")
 
 
+@dataclass(frozen=True)
+class Poisoned:
+    """A logged step that is no event of the engine: a poison message marked the run failed
+    (lua/poison.lua, bypassing the engine), with its work possibly still in flight."""
+
+    message_id: str
+    error: str
+
+
 def replay(
-    plan: Mapping[str, Any], digest: str, run_id: str, log: list[tuple[Event, int]]
+    plan: Mapping[str, Any], digest: str, run_id: str, log: list[tuple[Event | Poisoned, int]]
 ) -> tuple[MemoryStore, list[Handled]]:
     """Apply a logged event sequence to a fresh store (outbox entries are left unsent)."""
     store = MemoryStore()
-    handled = [apply_event(store, plan, digest, run_id, event, now) for event, now in log]
+    handled = []
+    for event, now in log:
+        if isinstance(event, Poisoned):
+            store.poison(run_id, event.message_id, event.error, now)
+        else:
+            handled.append(apply_event(store, plan, digest, run_id, event, now))
     return store, handled
 
 
@@ -213,7 +228,7 @@ class Sim:
     clock: int = 1_700_000_000_000
     pending: list[Delivery] = field(default_factory=list)
     delivered: list[Delivery] = field(default_factory=list)
-    log: list[tuple[Event, int]] = field(default_factory=list)
+    log: list[tuple[Event | Poisoned, int]] = field(default_factory=list)
     handled: list[Handled] = field(default_factory=list)
     published: Counter[str] = field(default_factory=Counter)
     tasks: list[Outgoing] = field(default_factory=list)  # every task ever published
@@ -264,6 +279,13 @@ class Sim:
             self.finished.append(message)
         else:
             raise AssertionError(f"unexpected message kind {message.kind!r}: {message}")
+
+    def poison(self, message_id: str = "poison-1", error: str = "RuntimeError: a bug") -> None:
+        """A message's transition failed on every delivery: the run is marked failed as the shard
+        service does (``saga_poison``), whatever is in flight."""
+        self.clock += 1
+        self.log.append((Poisoned(message_id, error), self.clock))
+        self.store.poison(self.run_id, message_id, error, self.clock)
 
     def deliver(self, delivery: Delivery) -> Handled | None:
         """Deliver (one more time) ``delivery``; a task's acceptance (if asked for) and result become

@@ -21,7 +21,7 @@ from typing import Any
 from orchestrator.compiler import CompiledPlan, compile_text
 from orchestrator.engine.model import CancelRun, Redrive
 from tests.conftest import DEFINITIONS, DEMO_REGISTRY, compile_yaml
-from tests.unit.engine_sim import Sim
+from tests.unit.engine_sim import Delivery, Sim
 
 # Shapes the example definitions do not have, each with a work stage after it to fail.
 INLINE = {
@@ -95,6 +95,66 @@ INLINE = {
     """,
 }
 
+INLINE["failure-route"] = """
+    name: failure-route
+    version: "1.0.0"
+    entry: render
+    stages:
+      - name: render
+        type: worker
+        queue: rendering
+        worker: thumbnail.render@3
+        input: { modelId: "${context.modelId}" }
+        execution_deadline_ms: 60000
+        on_success: publish
+        on_failure: notify
+      - name: notify
+        type: worker
+        queue: metadata
+        worker: metadata.extract@2
+        input: { modelId: "${context.modelId}" }
+        queue_deadline_ms: 60000
+        on_success: failed
+      - name: publish
+        type: action
+        action: catalogue.publish@2
+        input: { modelId: "${context.modelId}" }
+        on_success: completed
+"""
+INLINE["timeout-join"] = """
+    name: timeout-join
+    version: "1.0.0"
+    entry: split
+    stages:
+      - name: split
+        type: fork
+        branches: [slow, quick]
+      - name: slow
+        type: worker
+        queue: rendering
+        worker: thumbnail.render@3
+        input: { modelId: "${context.modelId}" }
+        execution_deadline_ms: 1000
+        on_success: meet
+        on_failure: meet
+      - name: quick
+        type: action
+        action: cache.lookup@1
+        input: { modelId: "${context.modelId}" }
+        on_success: meet
+      - name: meet
+        type: join
+        required: [slow, quick]
+        acceptable_terminal_states: [completed, timed-out]
+        on_success: publish
+      - name: publish
+        type: action
+        action: catalogue.publish@2
+        input: { modelId: "${context.modelId}" }
+        on_success: completed
+    finalisers: [audit.run-terminal@1]
+"""
+
 CONTEXTS: dict[str, list[dict[str, Any]]] = {
     "model-ingest": [{"modelId": "m-1"}, {"modelId": "cached-1"}],
     "thumbnail-batch": [{"modelIds": ["a", "b", "c", "d"]}],
@@ -102,6 +162,8 @@ CONTEXTS: dict[str, list[dict[str, Any]]] = {
     "ingest-triage": [{"sizeMb": 10, "format": "glb"}],
     "decision-error": [{"modelId": "m-3"}],
     "decision-fork": [{"modelId": "m-2"}],
+    "failure-route": [{"modelId": "m-4"}],
+    "timeout-join": [{"modelId": "m-5"}],
 }
 # Runs whose own data makes them fail: re-driven, they end as they did (or are refused, for a context).
 INHERENT: dict[str, list[dict[str, Any]]] = {
@@ -110,6 +172,7 @@ INHERENT: dict[str, list[dict[str, Any]]] = {
     "model-ingest": [{"modelId": ""}, {"wrong": 1}],
 }
 CANCEL_POINTS = (1, 3, 6)
+POISON_POINTS = (2, 5)
 
 
 @functools.cache
@@ -129,6 +192,8 @@ class Case:
     fail_items: frozenset[int] = frozenset()
     lost_stages: frozenset[str] = frozenset()
     cancel_after: int | None = None  # deliveries before an operator cancels the run
+    poison_after: int | None = None  # deliveries before a poison message fails the run, work in flight
+    poison_undoing: bool = False  # poison the run while a compensation is in flight
     inherent: bool = False  # the failure is in the run's data: removing nothing changes it
 
     @property
@@ -164,6 +229,17 @@ def _causes(definition: str, context: Mapping[str, Any]) -> list[Case]:
     for name in (n for n in work if stages[n].get("execution_deadline_ms")):
         found.append(Case(definition, context, f"lose {name}", lost_stages=frozenset({name})))
     found += [Case(definition, context, f"cancel at {k}", cancel_after=k) for k in CANCEL_POINTS]
+    found += [Case(definition, context, f"poison at {k}", poison_after=k) for k in POISON_POINTS]
+    for name in work:  # work of the failing epoch still in flight when a poison message fails the run
+        failing = frozenset({name})
+        for k in (3, 4):
+            cause = f"fail {name}, poison at {k}"
+            found.append(Case(definition, context, cause, fail_stages=failing, poison_after=k))
+    for name in (n for n in work if stages[n].get("compensate")):
+        for later in (n for n in work if n != name):
+            failing = frozenset({later})
+            cause = f"fail {later}, poison while undoing {name}"
+            found.append(Case(definition, context, cause, fail_stages=failing, poison_undoing=True))
     return found
 
 
@@ -210,13 +286,51 @@ def drive(sim: Sim, choose: Chooser, cancel_after: int | None = None, *, races: 
     raise AssertionError("the run did not quiesce")
 
 
-def redriven(case: Case, run_id: str) -> Sim:
-    """The case run in order to its end, its cause removed, re-driven and run in order to its end again
-    (a run that did not fail is left as it ended; the re-drive is then only a refused request)."""
-    sim = case.sim(run_id)
+def fail(sim: Sim, case: Case, choose: Chooser) -> list[Delivery]:
+    """Run the case until it fails (or ends): returns what is still in flight when it failed, which a
+    poisoned run leaves behind (empty for the others, which are run until nothing is left)."""
     sim.start(case.context)
-    drive(sim, in_order, case.cancel_after)
+    if case.poison_after is None and not case.poison_undoing:
+        drive(sim, choose, case.cancel_after)
+        return []
+    for step in range(20_000):
+        undoing = any(str(d.stage).startswith("compensate:") for d in sim.pending if d.kind == "task")
+        if step == case.poison_after or (case.poison_undoing and undoing):
+            sim.poison()
+            in_flight = list(sim.pending)
+            sim.pending.clear()
+            return in_flight
+        if not sim.pending and not sim.store.timers:
+            return []
+        action, index = choose(["deliver"] if sim.pending else ["timer"], len(sim.pending))
+        if action == "deliver":
+            sim.deliver_at(index % len(sim.pending))
+        else:
+            sim.fire_next_timer()
+    raise AssertionError("the run did not quiesce")
+
+
+def redriven(case: Case, run_id: str) -> Sim:
+    """The case run in order until it fails, its cause removed, re-driven (what was in flight arriving
+    after) and run in order to its end again (a run that did not fail is left as it ended; the re-drive
+    is then only a refused request)."""
+    sim = case.sim(run_id)
+    in_flight = settle_undo(sim, fail(sim, case, in_order), in_order)
     sim.fail_stages = sim.fail_items = sim.lost_stages = frozenset()
     sim.handle(Redrive("redrive-1", "fixed", "ops@host"))
+    sim.pending += in_flight
     drive(sim, in_order)
     return sim
+
+
+def settle_undo(sim: Sim, in_flight: list[Delivery], choose: Chooser) -> list[Delivery]:
+    """A run poisoned while a compensation was in flight cannot be re-driven until that undo reported:
+    the refusal says so; then what was in flight is delivered (the undo reports) and nothing is left."""
+    if sim.record.get("phase") != "compensating" or sim.status != "failed":
+        return in_flight
+    refused = sim.handle(Redrive("redrive-early", "too soon", "ops@host"))
+    assert refused.verdict.value == "invalid" and "was in flight" in sim.history[-1]["detail"]["detail"]
+    sim.pending += in_flight
+    drive(sim, choose)
+    assert "phase" not in sim.record, "the undo in flight reported and the run took it"
+    return []

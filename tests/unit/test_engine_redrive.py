@@ -3,9 +3,12 @@ failed and compensated ones run again; old-epoch reports are stale; finalisers r
 
 from __future__ import annotations
 
-from orchestrator.engine.model import Redrive, Verdict
+from orchestrator.engine.model import CancelRun, Redrive, Verdict
+from orchestrator.engine.sizes import Limits
+from orchestrator.store.memory import DUPLICATE
 from tests.unit.engine_sim import Sim, report
-from tests.unit.test_engine import sim_for
+from tests.unit.redrive_cases import cases, fail, in_order
+from tests.unit.test_engine import compiled, sim_for
 
 
 def failed_ingest() -> Sim:
@@ -79,3 +82,49 @@ def test_a_run_redriven_with_the_fault_still_there_fails_again_in_its_new_epoch(
     assert len(sim.entries("run.failed")) == 2
     # the second failure undid the second render too, once
     assert [h["stage"] for h in sim.entries("compensation.completed")] == ["compensate:render-thumbnail"] * 2
+
+
+def test_a_refused_cancel_delivered_again_after_a_redrive_does_nothing() -> None:
+    """A request refused while the run was failed, delivered again once the run lives again (the
+    orchestrator died between recording the refusal and acking it), must not act late: operator
+    requests are remembered even when refused."""
+    sim = failed_ingest()
+    cancel = CancelRun("cancel-req-1", "stop it", "ops@host")
+    assert sim.handle(cancel).verdict is Verdict.LATE
+    sim.fail_stages = frozenset()
+    assert sim.handle(Redrive("redrive-1")).took_effect
+    again = sim.handle(cancel)
+    assert again.code == DUPLICATE and "intent" not in sim.record
+    sim.run()
+    assert sim.status == "completed"
+
+
+def test_a_run_that_failed_at_the_door_for_size_is_not_redriven() -> None:
+    plan = compiled("model-ingest")
+    sim = Sim(plan.plan, plan.digest, limits=Limits(16_384))
+    sim.start({"modelId": "é" * 8000})
+    sim.run()
+    assert sim.status == "failed" and "the task cannot be sent" in sim.record["reason"]
+    record = dict(sim.record)
+    refused = sim.handle(Redrive("redrive-1"))
+    assert (
+        refused.verdict is Verdict.INVALID and "does not pass the door" in sim.history[-1]["detail"]["detail"]
+    )
+    assert sim.record == record
+
+
+def test_a_poisoned_run_is_fenced_before_its_new_epoch() -> None:
+    """A poison message fails a run with work in flight (here: the failure route's notify task, with its
+    queue clock). The re-drive cancels that attempt and its clock, so neither can act in the new epoch."""
+    case = next(c for c in cases() if c.id == "failure-route[fail render, poison at 4]")
+    sim = case.sim()
+    in_flight = fail(sim, case, in_order)
+    assert sim.status == "failed" and sim.record["s:notify:status"] == "queued"
+    assert any(d.stage == "notify" for d in in_flight) and sim.store.timers
+    sim.fail_stages = frozenset()
+    assert sim.handle(Redrive("redrive-1")).took_effect
+    assert sim.record["s:notify:status"] == "cancelled" and not any("notify" in t for t in sim.store.timers)
+    assert [c.body["stage"] for c in sim.cancels] == ["notify"]
+    sim.pending += in_flight
+    sim.run()
+    assert sim.status == "completed" and sim.record["s:notify:status"] == "cancelled"

@@ -23,6 +23,7 @@ from orchestrator.client import ActivePlan, StartRefused, checked_start
 from orchestrator.engine import door, sizes
 from orchestrator.engine.model import Nudge, StageStatus
 from orchestrator.settings import Settings
+from tests.conftest import compile_yaml
 from tests.unit.engine_sim import Sim, report
 from tests.unit.redrive_cases import compiled, drive, in_order
 from workers.runtime import Outcome, report_body
@@ -221,3 +222,151 @@ def test_the_envelope_margin_covers_the_largest_legal_identity() -> None:
         body=body,
     )
     assert len(wire) - sizes.body_bytes(body) <= sizes.ENVELOPE_MARGIN_BYTES
+
+
+# ---- the door walks what the context decides ---------------------------------------------------------
+
+BY_REFERENCE = """
+    name: by-reference
+    version: "1.0.0"
+    entry: route
+    context:
+      type: object
+      properties: { blob: { type: string } }
+      required: [blob]
+    stages:
+      - name: route
+        type: decision
+        branches:
+          - when: "size(context.blob) > 1000"
+            next: store-reference
+          - when: "true"
+            next: inline
+      - name: store-reference
+        type: action
+        action: cache.lookup@1
+        input: { modelId: "ref" }
+        on_success: completed
+      - name: inline
+        type: action
+        action: cache.lookup@1
+        input: { modelId: "${context.blob}" }
+        on_success: completed
+"""
+AMPLIFY = """
+    name: amplify
+    version: "1.0.0"
+    entry: look
+    stages:
+      - name: look
+        type: action
+        action: cache.lookup@1
+        input: { modelId: "${context.m}${context.m}${context.m}${context.m}${context.m}${context.m}" }
+        on_success: completed
+"""
+
+
+def inline_run(yaml: str, context: dict[str, Any], limits: sizes.Limits = LIMITS) -> tuple[Sim, list[str]]:
+    plan = compile_yaml(yaml)
+    problems = door.start_problems(plan.plan, plan.digest, context, limits)
+    sim = Sim(plan.plan, plan.digest, limits=limits)
+    sim.start(context)
+    drive(sim, in_order)
+    return sim, problems
+
+
+def test_the_door_follows_decisions_on_the_context_and_checks_only_what_is_reached() -> None:
+    # a large blob goes by reference: the inline stage (too big for it) is never reached, nor refused
+    sim, problems = inline_run(BY_REFERENCE, {"blob": "b" * 20_000})
+    assert problems == [] and sim.status == "completed"
+    assert [t.body["stage"] for t in sim.tasks] == ["store-reference"]
+
+
+def test_the_door_measures_even_a_small_context_that_an_input_repeats() -> None:
+    sim, problems = inline_run(AMPLIFY, {"m": "m" * 2_500})  # 2.5 KB, sent six times in one input
+    assert problems and problems[0].startswith("stage look: the task cannot be sent")
+    assert sim.status == "failed" and not sim.entries("stage.dispatched")
+    assert sim.record["reason"].startswith("stage look: the task cannot be sent")
+
+
+# ---- what one transition sends in all ------------------------------------------------------------------
+
+
+def test_a_bag_whose_tasks_together_are_over_the_transition_limit_fails_to_start_with_why() -> None:
+    limits = sizes.Limits(16_384, 100_000)
+    plan = compiled("thumbnail-batch")
+    sim = Sim(plan.plan, plan.digest, limits=limits)
+    sim.start({"modelIds": [f"{i}-" + "m" * 1000 for i in range(120)]})  # 120 tasks of ~1.5 KB
+    drive(sim, in_order)
+    assert sim.status == "failed" and not sim.entries("stage.dispatched")
+    assert "tasks together are over the 100,000-byte limit" in sim.record["reason"]
+    assert "SAGA_MAX_TRANSITION_BYTES" in sim.record["reason"]
+
+
+def test_a_bag_whose_results_together_are_over_the_transition_limit_fails_at_its_release() -> None:
+    # the tasks went out under a larger limit; the results, read back at the release, are over this one
+    plan = compiled("thumbnail-batch")
+    sim = Sim(plan.plan, plan.digest)
+    sim.start({"modelIds": [f"{i}-" + "m" * 250 for i in range(100)]})  # results ~28 KB in all
+    sim.deliver_at(0)
+    sim.limits = sizes.Limits(16_384, 20_000)
+    drive(sim, in_order)
+    assert sim.status == "failed"
+    assert "item results together are over the 20,000-byte limit" in sim.record["reason"]
+    assert not sim.entries("stage.completed", "render-all")
+
+
+# ---- a nudge re-sends a bag's missing items ------------------------------------------------------------
+
+
+def test_a_nudge_re_sends_only_the_items_of_a_bag_that_have_not_arrived() -> None:
+    plan = compiled("thumbnail-batch")
+    sim = Sim(plan.plan, plan.digest)
+    sim.start({"modelIds": ["a", "b", "c", "d"]})
+    sim.deliver_at(0)
+    sim.deliver_task("render-all", 0)
+    sim.deliver_task("render-all", 2)
+    lost = {d.item for d in sim.pending}
+    sim.pending.clear()  # items 1 and 3 vanished with their queue
+    handled = sim.handle(Nudge("nudge-1"))
+    assert lost == {1, 3} and sorted(m.body["item"] for m in handled.published) == [1, 3]
+    drive(sim, in_order)
+    assert sim.status == "completed" and len(sim.output["thumbnails"]) == 4
+
+
+def test_a_nudge_fails_a_bag_whose_missing_item_can_no_longer_be_sent() -> None:
+    plan = compiled("thumbnail-batch")
+    sim = Sim(plan.plan, plan.digest)
+    sim.start({"modelIds": ["a", "b" * 20_000]})
+    sim.deliver_at(0)
+    sim.deliver_task("render-all", 0)
+    sim.pending.clear()
+    sim.limits = LIMITS  # the limit was lowered: item 1's task no longer fits
+    since = len(sim.handled)
+    sim.handle(Nudge("nudge-1"))
+    assert sim.record["s:render-all:status"] == "failed"
+    assert "the task of item 1 cannot be sent" in sim.record["reason"]
+    drive(sim, in_order)
+    assert sim.status == "failed"
+    check_every_message_fits(sim, since)
+
+
+# ---- what is not JSON does not travel ------------------------------------------------------------------
+
+
+def test_a_result_that_is_not_json_is_reported_as_a_failure_that_says_so() -> None:
+    body = report_body(Outcome(True, {"score": float("nan")}), LIMITS)
+    assert body["ok"] is False and body["retryable"] is False
+    assert "not valid JSON" in body["error"]
+
+
+def test_the_client_refuses_a_context_that_is_not_json() -> None:
+    plan = compiled("model-ingest")
+    active = ActivePlan(plan.digest, "fast", plan.plan)
+    settings_ = Settings(max_message_bytes=LIMITS.max_message_bytes)
+    try:
+        checked_start(SIGNER, settings_, active, "model-ingest", "run-1", {"modelId": "m", "x": float("inf")})
+    except StartRefused as exc:
+        assert "not valid JSON" in exc.problems[0]
+    else:
+        raise AssertionError("a context with Infinity was sent")

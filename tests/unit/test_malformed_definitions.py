@@ -405,6 +405,9 @@ GRAPH_CASES = {
         "stages[8].name", ["reachable from both branch 'semantic' and branch 'metadata'"]),
     "required-missing-branch": (on("derive-join", required=["semantic"]), "stages[6].required",
         ["branch 'metadata'", "missing from required"]),
+    "branch-escapes-past-its-join": (on("metadata", on_failure="publish"), "stages[7].name",
+        ["'publish'", "reachable from branch 'metadata' of fork 'derive' without passing its join",
+         "could run twice"]),
 }
 # fmt: on
 

@@ -1,17 +1,23 @@
--- saga_arrive: a branch or map item arriving at a barrier.
+-- saga_arrive: a transition whose route ends at a barrier: a branch arriving at its join, or a map item.
 -- KEYS: the common layout (helpers.lua); KEYS[spec.arrival.k] is the barrier hash.
 -- Arrivals commute: they check the barrier's own stage fence and the run intent (spec.expects), never a
--- run version, and cost O(1) whatever the size of the bag. A member counts once: HSETNX on the barrier
+-- run version, and cost O(1) whatever the size of the bag. A member counts once: HEXISTS on the barrier
 -- hash. The counter lives in the run hash; the arrival that takes it to 0 appends the release message
 -- (a deterministic id) to the outbox, so the successor is released exactly once.
--- The message id is not added to the applied set: membership is the dedupe, and a bag of 10,000 items
--- must not keep 10,000 ids.
--- Returns {0 APPLIED, remaining} | {1 DUPLICATE} | {2 CONFLICT, field} | {4 NO_RUN}.
+-- The rest of the transition (a timer it claims, timers it sets or clears, messages it causes, fields it
+-- writes) is applied as saga_transition applies it: the arrival is one more effect, not a shortcut.
+-- The message id is not added to the applied set (spec.remember is false): membership is the dedupe,
+-- and a bag of 10,000 items must not keep 10,000 ids.
+-- Returns {0 APPLIED, remaining} | {1 DUPLICATE} | {2 CONFLICT, field} | {4 NO_RUN} | {5 TIMER_GONE}.
 local function saga_arrive(keys, args)
   local spec = cjson.decode(args[1])
   local a = spec.arrival
   if redis.call('EXISTS', keys[1]) == 0 then
+    if not is_null(spec.claim) then redis.call('ZREM', keys[6], spec.claim) end  -- the run expired
     return {NO_RUN, ''}
+  end
+  if not timer_claimed(keys, spec) then
+    return {TIMER_GONE, ''}
   end
   local failed = check_expects(keys[1], spec.expects)
   if failed then
@@ -20,16 +26,14 @@ local function saga_arrive(keys, args)
   if redis.call('HEXISTS', keys[a.k], a.member) == 1 then
     return record_duplicate(keys, spec, a.stage)
   end
-  if #spec.sets > 0 then
-    -- the arriving stage's own fields (its status and result): no other branch writes them
-    redis.call('HSET', keys[1], unpack(spec.sets))
-  end
+  apply_all(keys, spec)
   redis.call('HSET', keys[a.k], a.member, a.value)
   local remaining = redis.call('HINCRBY', keys[1], a.counter, -1)
   if remaining == 0 then
     append_outbox(keys[4], {a.release})
   end
   append_history(keys[2], spec.history, spec.at)
+  finish(keys, spec)
   return {APPLIED, tostring(remaining)}
 end
 redis.register_function('saga_arrive', saga_arrive)

@@ -86,8 +86,8 @@ local function finish(keys, spec)
   end
 end
 
--- Every write of an accepted transition, after all its checks passed.
-local function commit(keys, spec)
+-- Every write of an accepted transition but its history, after all its checks passed.
+local function apply_all(keys, spec)
   if spec.persist then
     -- a re-driven run lives again: its keys lose the retention clock its end had started
     for i = 1, #keys do
@@ -98,6 +98,10 @@ local function commit(keys, spec)
   if spec.remember then redis.call('SADD', keys[3], spec.mid) end
   apply_timers(keys, spec)
   append_outbox(keys[4], spec.outbox)
+end
+
+local function commit(keys, spec)
+  apply_all(keys, spec)
   append_history(keys[2], spec.history, spec.at)
   finish(keys, spec)
   return {APPLIED, spec.mid}
