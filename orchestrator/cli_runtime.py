@@ -340,6 +340,12 @@ def cancel(run_id: str, reason: str, wait_s: float | None, as_json: bool) -> Non
 @click.option(
     "--wait", "wait_s", type=float, default=None, help="Also wait up to S seconds for the new epoch to end."
 )
+@click.option(
+    "--undo-lost",
+    is_flag=True,
+    help="The compensation a poison message left in flight will never report (it was the poison "
+    "message, or its task is lost): take its stage as undone and run it again.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def redrive(
     run_id: str | None,
@@ -348,6 +354,7 @@ def redrive(
     definition: str | None,
     reason: str,
     wait_s: float | None,
+    undo_lost: bool,
     as_json: bool,
 ) -> None:
     """Resume a failed run (or, with --all, every matching one) in a new epoch on its pinned plan:
@@ -365,7 +372,9 @@ def redrive(
     async def go() -> list[dict[str, Any]]:
         async with Client(settings) as client:
             chosen = [run_id] if run_id else await _failed_runs(settings, definition)
-            requests = [(one, await client.redrive(one, reason, requested_by)) for one in chosen]
+            requests = [
+                (one, await client.redrive(one, reason, requested_by, undo_lost=undo_lost)) for one in chosen
+            ]
             return [await _redrive_report(client, one, request, wait_s) for one, request in requests]
 
     reports = _run(go())

@@ -227,6 +227,7 @@ def checked_start(
     invalid = not_json(context)
     if invalid is not None:
         raise StartRefused(definition, [f"the context: {invalid}"])
+    context = json.loads(json.dumps(context))  # checked as the shard will read it (a tuple is a list)
     limits = settings.limits()
     # the tasks will name the run, and a shard of the class that is not known yet: the longest one
     identity = RunSnapshot(run_id, f"{plan.shard_class}.99999", plan.digest, RunStatus.PENDING, context)
@@ -324,15 +325,18 @@ class Client:
         the broker has it."""
         return await self._request(Kind.CANCEL_RUN, run_id, reason, requested_by)
 
-    async def redrive(self, run_id: str, reason: str = "", requested_by: str = "") -> str:
+    async def redrive(
+        self, run_id: str, reason: str = "", requested_by: str = "", *, undo_lost: bool = False
+    ) -> str:
         """Ask the run's shard to resume a failed run in a new epoch, on its pinned plan: completed
         stages keep their results, failed, cancelled, timed-out and compensated ones run again. A run
-        that is not failed, or whose context its definition refuses, is left as it is (the refusal is
-        recorded in its history). Returns the request's id once the broker has it; :meth:`answer`
-        tells what became of it."""
-        return await self._request(Kind.REDRIVE, run_id, reason, requested_by)
+        that is not failed, whose start would not pass the door (a context its definition refuses, a
+        task too large), or that a poison message failed with an undo in flight (unless ``undo_lost``:
+        that undo will never report), is left as it is (the refusal is recorded in its history).
+        Returns the request's id once the broker has it; :meth:`answer` tells what became of it."""
+        return await self._request(Kind.REDRIVE, run_id, reason, requested_by, undo_lost=undo_lost)
 
-    async def _request(self, kind: Kind, run_id: str, reason: str, requested_by: str) -> str:
+    async def _request(self, kind: Kind, run_id: str, reason: str, requested_by: str, **extra: bool) -> str:
         shard = await self.redis.get(index_key(self.settings.key_prefix, run_id))
         if shard is None:
             raise RunNotFound(run_id)
@@ -343,7 +347,7 @@ class Client:
                 run_id=run_id,
                 shard=str(shard),
                 issued_at_ms=int(time.time() * 1000),
-                body={"reason": reason, "requested_by": requested_by},
+                body={"reason": reason, "requested_by": requested_by, **extra},
             )
         )
         await self._publish(envelope, names.RUNS_EXCHANGE, str(shard))

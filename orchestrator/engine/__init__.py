@@ -44,7 +44,6 @@ from orchestrator.engine.model import (
     Intent,
     Key,
     Nudge,
-    Outgoing,
     Redrive,
     RunSnapshot,
     RunStatus,
@@ -223,12 +222,7 @@ def _map_item(step: Step, stage: Mapping[str, Any], rec: StageRecord, event: Sta
     # Arrivals commute: checked against the map's own fence (and the item's attempt), never the whole run.
     step.expect(Key("stage", event.stage), "fence", rec.fence)
     step.expect(RUN, "intent", None)
-    release = Outgoing(
-        ids.release_id(step.run.run_id, event.stage, rec.fence),
-        "barrier.released",
-        ("shard", step.run.shard),
-        {"run_id": step.run.run_id, "stage": event.stage, "fence": rec.fence},
-    )
+    release = step.release(event.stage, rec.fence)
     step.arrival = Arrival(Key("barrier", event.stage), str(event.item), release, result=dumps(event.result))
     return step.decision()
 

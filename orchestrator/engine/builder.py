@@ -215,6 +215,15 @@ class Builder:
             body["report"] = report
         return Outgoing(message_id, "task", ("task", queue), body)
 
+    def release(self, barrier: str, fence: str) -> Outgoing:
+        """The continuation a join or map barrier sends itself, once, when its last member arrives."""
+        return Outgoing(
+            ids.release_id(self.run.run_id, barrier, fence),
+            "barrier.released",
+            ("shard", self.run.shard),
+            {"run_id": self.run.run_id, "stage": barrier, "fence": fence},
+        )
+
     def request_cancel(self, name: str, fence: str, cause: str = "") -> None:
         """Ask the workers to stop an attempt (broadcast: any worker running it stops). The attempt is
         fenced whatever they do; this only saves the work. ``cause``: the message that made us ask again

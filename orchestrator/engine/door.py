@@ -7,7 +7,7 @@ re-drive before it starts a new epoch.
 "The tasks the context alone determines" are those of the work stages a run reaches whatever its
 workers answer, as far as the context decides: from the entry, through every work stage's success,
 every branch of a fork, every join, and each decision whose branches read only the context (a decision
-that reads a stage result ends the walk there). Of those, each task whose input binds from the context
+whose expressions name ``stages`` ends the walk there). Of those, each task whose input binds from the context
 alone is built exactly as it will be sent and measured. Every other task is measured when its stage is
 dispatched, and fails its stage with the reason if it cannot be sent.
 """
@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from orchestrator.dsl.binding import bind, evaluate
+from orchestrator.dsl.expressions import references, tokenize
 from orchestrator.engine import ids, sizes
 from orchestrator.engine.builder import context_problems
 from orchestrator.engine.model import RunSnapshot, RunStatus
@@ -26,6 +27,8 @@ from orchestrator.engine.step import WORK_STAGE_TYPES, Step
 from orchestrator.errors import BindingError
 
 __all__ = ["context_problems", "start_problems", "task_problems"]
+
+STAGE_ROOT = frozenset({"stages"})
 
 
 def start_problems(
@@ -85,7 +88,11 @@ def reached(step: Step) -> list[str]:
 
 
 def _taken(step: Step, name: str, stage: Mapping[str, Any]) -> list[str]:
-    """The branch a decision takes on the context alone ([] if it reads a stage result, or fails)."""
+    """The branch a decision takes on the context alone ([] if it reads a stage, or fails). Whether it
+    reads a stage is read off its expressions, not off an error: ``has(stages.x)`` is false, not an
+    error, before any stage ran."""
+    if any(references(tokenize(b["when"]), STAGE_ROOT) for b in stage["branches"]):
+        return []
     variables = step.variables()
     for i, branch in enumerate(stage["branches"]):
         try:

@@ -162,7 +162,8 @@ class Ending(Builder):
         intent = self.intent or self.run.intent
         failed = self.run.finaliser_failed or self.writes.get(RUN, {}).get("finaliser_failed") == "1"
         status = RunStatus.COMPLETED if intent is Intent.COMPLETED and not failed else RunStatus.FAILED
-        self.write(RUN, status=status.value, finished_at=str(self.now_ms))
+        # the phase ends with the run: a run left "compensating" would look poisoned mid-undo
+        self.write(RUN, status=status.value, finished_at=str(self.now_ms), phase="")
         self.record(f"run.{status.value}")
         if self.plan.get("run_deadline_ms"):
             self.clear_timer(Clock.RUN, "", ids.run_fence(self.run.epoch))

@@ -173,11 +173,14 @@ class CompensationResult:
 
 @dataclass(frozen=True)
 class Redrive:
-    """Resume a failed run on its pinned plan in a new epoch (``saga redrive``)."""
+    """Resume a failed run on its pinned plan in a new epoch (``saga redrive``). ``undo_lost``: the
+    operator says the compensation a poison message left in flight will never report (it was the poison
+    message, or its task is lost): its stage is taken as undone, and runs again."""
 
     message_id: str
     reason: str = ""
     requested_by: str = ""
+    undo_lost: bool = False
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ and a compensation or finaliser fails like any other and the next one runs.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from orchestrator.dsl.binding import bind
@@ -18,7 +19,9 @@ from orchestrator.engine.model import (
     ACTIVE_STAGE_STATUSES,
     RUN,
     Decision,
+    Key,
     Nudge,
+    Outgoing,
     RunStatus,
     StageRecord,
     Verdict,
@@ -39,7 +42,8 @@ def nudge(step: Step, event: Nudge) -> Decision:
         _resend_work(step)
     if not step.outgoing and not step.writes:
         return rejected(Verdict.INVALID, "nothing to re-send: no attempt is waiting on a worker", None)
-    step.record("run.nudged", resent=[m.message_id for m in step.outgoing if m.kind == "task"])
+    resent = [m.message_id for m in step.outgoing if m.kind in ("task", "barrier.released")]
+    step.record("run.nudged", resent=resent)
     return step.decision()
 
 
@@ -63,21 +67,52 @@ def _resend_ending(step: Step) -> None:
         step.start_finaliser(run.finaliser_index)
 
 
+@dataclass(frozen=True)
+class _CannotSend:
+    """A task the run waits for that can no longer be sent (or bound): its stage fails with why."""
+
+    error: str
+    attempt: int
+    item: int | None = None
+
+
 def _resend_work(step: Step) -> None:
+    """Every open attempt's tasks again, and the release of a barrier that counted its last member but
+    whose release never arrived. If one stage's task can no longer be sent, that stage fails and the
+    transition does nothing else: its failure may end the run (cancelling the rest) or arrive at a join
+    (one arrival per transition); a later nudge takes care of what is left."""
+    resend: list[Outgoing] = []
     for name, rec in sorted(step.run.stages.items()):
         stage = step.plan["stages"].get(name, {})
         if rec.status not in ACTIVE_STAGE_STATUSES:
             continue
-        if stage.get("type") in ("action", "worker"):
-            _resend(step, name, stage, rec)
-        elif stage.get("type") == "map":
-            _resend_items(step, name, stage, rec)
+        kind = stage.get("type")
+        if kind in ("join", "map") and step.run.barriers.get(name) == 0:
+            step.guard(name, rec)
+            step.expect(Key("counter", name), "remaining", "0")
+            resend.append(step.release(name, rec.fence))
+            continue
+        if kind in ("action", "worker"):
+            found = _task_again(step, name, stage, rec)
+        elif kind == "map":
+            found = _items_again(step, name, stage, rec)
+        else:
+            continue
+        if isinstance(found, _CannotSend):
+            step.record(
+                "stage.failed", name, found.attempt, item=found.item, error=found.error, reason="size"
+            )
+            step.fail_attempt(name, stage, rec, found.error, retryable=False)
+            return
+        resend += found
+    step.outgoing += resend
 
 
-def _resend_items(step: Step, name: str, stage: Mapping[str, Any], rec: StageRecord) -> None:
-    """Re-send the tasks of a bag's items that have not arrived, each under its current attempt (same
-    ids: an item that was only slow becomes a duplicate). One that can no longer be sent, or whose
-    input no longer binds, fails the bag with why."""
+def _items_again(
+    step: Step, name: str, stage: Mapping[str, Any], rec: StageRecord
+) -> list[Outgoing] | _CannotSend:
+    """The tasks of a bag's items that have not arrived, each under its current attempt (same ids: an
+    item that was only slow becomes a duplicate)."""
     step.guard(name, rec)
     arrived = step.run.arrivals.get(name, frozenset())
     missing = [i for i in range(rec.items or 0) if str(i) not in arrived]
@@ -85,32 +120,27 @@ def _resend_items(step: Step, name: str, stage: Mapping[str, Any], rec: StageRec
         items = bind(stage["items"], step.variables(), None, f"{name}.items")
         payloads = [step.bind_input(name, stage, item=items[i], index=i) for i in missing]
     except (BindingError, IndexError, TypeError) as exc:
-        step.fail_attempt(name, stage, rec, f"its items cannot be sent again: {exc}", retryable=False)
-        return
+        return _CannotSend(f"its items cannot be sent again: {exc}", rec.attempt)
     tasks = []
     for index, payload in zip(missing, payloads, strict=True):
         attempt = step.run.item_attempts.get(f"{name}:{index}", 1)
         task = step.stage_task(name, stage, attempt, rec.fence, payload, index)
         problem = sizes.too_big(task.body, step.limits)
         if problem is not None:
-            error = f"the task of item {index} cannot be sent: {problem}"
-            step.record("stage.failed", name, attempt, item=index, error=error, reason="size")
-            step.fail_attempt(name, stage, rec, error, retryable=False)
-            return
+            return _CannotSend(f"the task of item {index} cannot be sent: {problem}", attempt, index)
         tasks.append(task)
-    step.outgoing += tasks
+    return tasks
 
 
-def _resend(step: Step, name: str, stage: Mapping[str, Any], rec: StageRecord) -> None:
-    """Re-send an attempt's task, unless it can no longer be sent (the message limit was lowered since,
-    or it was committed before tasks were measured): then the attempt fails with why, since sending it
-    again would only park another copy on saga.rejected."""
+def _task_again(
+    step: Step, name: str, stage: Mapping[str, Any], rec: StageRecord
+) -> list[Outgoing] | _CannotSend:
+    """An attempt's task again, unless it can no longer be sent (the message limit was lowered since,
+    or it was committed before tasks were measured): sending it would only park another copy on
+    saga.rejected."""
     step.guard(name, rec)
     task = step.resend_task(name, stage, rec)
     problem = sizes.too_big(task.body, step.limits)
-    if problem is None:
-        step.outgoing.append(task)
-        return
-    error = f"the task cannot be sent: {problem}"
-    step.record("stage.failed", name, rec.attempt, error=error, reason="size")
-    step.fail_attempt(name, stage, rec, error, retryable=False)
+    if problem is not None:
+        return _CannotSend(f"the task cannot be sent: {problem}", rec.attempt)
+    return [task]

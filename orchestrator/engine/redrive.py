@@ -14,7 +14,8 @@ reason; start a new run instead.
 A run marked failed by a poison message ended without the usual fencing: work may still be in flight.
 The re-drive fences it first (open attempts cancelled, their clocks cleared, their workers asked to
 stop). A compensation in flight is different: its undo may still happen, after any redo, so the re-drive
-is refused until that compensation has reported (the engine takes its report on the failed run).
+is refused until that compensation has reported (the engine takes its report on the failed run), unless
+the operator says it never will (``undo_lost``: its stage is then taken as undone, and runs again).
 
 Operator requests are remembered even when refused (their ids are random, one per request), so a
 refused request that the broker delivers again after the run changed cannot take effect late.
@@ -26,7 +27,7 @@ import dataclasses
 
 from orchestrator.engine import door, ids
 from orchestrator.engine.builder import rejected
-from orchestrator.engine.model import RUN, Clock, Decision, Redrive, RunStatus, Verdict
+from orchestrator.engine.model import RUN, Clock, Decision, Redrive, RunStatus, StageStatus, Verdict
 from orchestrator.engine.step import Step
 
 # Run fields that belong to an epoch's ending, cleared when the run lives again.
@@ -49,15 +50,19 @@ def redrive(step: Step, event: Redrive) -> Decision:
     if run.status is not RunStatus.FAILED:
         why = f"only a failed run can be re-driven; run {run.run_id} is {run.status.value}"
         return refused(why, event)
-    if run.phase == "compensating":
+    if run.phase == "compensating" and not event.undo_lost:
         undoing = ids.compensation_label(run.compensations[run.compensation_index])
         why = (
             f"run {run.run_id} was failed by a poison message while {undoing} was in flight: that undo "
             "may still run, so its stage can be neither reused nor run again yet; re-drive once it has "
-            "reported (compensation.completed or compensation.failed in the run's history)"
+            "reported (compensation.completed or compensation.failed in the run's history), or, if it "
+            "never will (it was the poison message, or its task is lost), with --undo-lost"
         )
         return refused(why, event)
-    problems = door.start_problems(step.plan, step.digest, run.context, step.limits, run)
+    # the door as at the start: the context alone (the stages' old results are not the new epoch's)
+    problems = door.start_problems(
+        step.plan, step.digest, run.context, step.limits, dataclasses.replace(run, stages={})
+    )
     if problems:
         why = (
             f"run {run.run_id} cannot be re-driven: its start does not pass the door "
@@ -83,11 +88,15 @@ def redrive(step: Step, event: Redrive) -> Decision:
     walk.expect(RUN, "status", RunStatus.FAILED.value)
     walk.expect(RUN, "epoch", str(run.epoch))
     walk.removes.extend((RUN, name) for name in ENDING_FIELDS)
-    walk.cancel_active()  # a poisoned run ended with its work in flight
     walk.write(RUN, epoch=str(epoch), status=RunStatus.RUNNING.value)
     walk.record(
         "run.redriven", epoch=epoch, by=event.requested_by, why=event.reason, request=event.message_id
     )
+    walk.cancel_active()  # a poisoned run ended with its work in flight
+    if run.phase == "compensating":  # and the operator says its undo in flight will never report
+        undoing = run.compensations[run.compensation_index]
+        walk.set_stage(undoing, dataclasses.replace(run.stages[undoing], status=StageStatus.COMPENSATED))
+        walk.record("compensation.abandoned", ids.compensation_label(undoing), by=event.requested_by)
     if step.plan.get("run_deadline_ms"):
         walk.set_timer(Clock.RUN, "", ids.run_fence(epoch), step.plan["run_deadline_ms"])
     walk.enter(None, step.plan["entry"])

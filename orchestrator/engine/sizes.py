@@ -67,7 +67,7 @@ def not_json(value: Any) -> str | None:
     a reader re-serialises them as null, so the signature over them no longer matches."""
     try:
         json.dumps(value, allow_nan=False)
-    except ValueError as exc:
+    except (TypeError, ValueError) as exc:
         return f"it is not valid JSON ({exc})"
     return None
 

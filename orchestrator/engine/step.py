@@ -139,12 +139,7 @@ class Step(Ending):
             return
         rec = self.stage(join)
         fence = rec.fence if rec else ids.stage_fence(self.run.epoch, 1)
-        release = Outgoing(
-            ids.release_id(self.run.run_id, join, fence),
-            "barrier.released",
-            ("shard", self.run.shard),
-            {"run_id": self.run.run_id, "stage": join, "fence": fence},
-        )
+        release = self.release(join, fence)
         self.record("branch.arrived", join, branch=branch, outcome=outcome)
         self.arrival = Arrival(Key("barrier", join), branch, release)
 

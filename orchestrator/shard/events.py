@@ -50,6 +50,7 @@ class RequestBody(BaseModel):
 
     reason: StrictStr = ""
     requested_by: StrictStr = ""
+    undo_lost: StrictBool = False  # a re-drive: the undo a poison message left in flight is lost
 
 
 class StartBody(BaseModel):
@@ -104,8 +105,10 @@ def _request(envelope: Envelope) -> Event | str:
         body = RequestBody.model_validate(envelope.body)
     except ValidationError as exc:
         return f"{envelope.kind.value} body: {_first_problem(exc)}"
-    request = CancelRun if envelope.kind is Kind.CANCEL_RUN else Redrive
-    return request(envelope.message_id, body.reason[:500], body.requested_by[:200])
+    reason, by = body.reason[:500], body.requested_by[:200]
+    if envelope.kind is Kind.CANCEL_RUN:
+        return CancelRun(envelope.message_id, reason, by)
+    return Redrive(envelope.message_id, reason, by, undo_lost=body.undo_lost)
 
 
 def _result(envelope: Envelope, body: ResultBody) -> Event | str:

@@ -33,7 +33,7 @@ from orchestrator.store.redis_store import (
     library_source,
 )
 from orchestrator.store.spec import barrier_stages
-from tests.conftest import DEFINITIONS, DEMO_REGISTRY
+from tests.conftest import DEFINITIONS, DEMO_REGISTRY, compile_yaml
 from tests.faults import invariants
 from tests.unit.engine_sim import SHARD, Poisoned, Sim, apply_event, handler_output
 from tests.unit.redrive_cases import Case, cases, redriven
@@ -236,6 +236,27 @@ def test_memory_store_and_redis_store_agree_step_by_step(
 REDRIVE_CASES = cases()
 
 
+async def replay_both(
+    store: RedisStore, plan: CompiledPlan, run_id: str, log: list[tuple[Event | Poisoned, int]]
+) -> MemoryStore:
+    """``log`` through the Lua library and its port side by side: the same codes, decisions and stored
+    state after every step."""
+    memory = MemoryStore()
+    for step, (event, now) in enumerate(log):
+        if isinstance(event, Poisoned):  # lua/poison.lua and its port
+            code = await store.poison(SHARD, run_id, event.message_id, event.error, now)
+            assert code == memory.poison(run_id, event.message_id, event.error, now), (step, event)
+        else:
+            mine = apply_event(memory, plan.plan, plan.digest, run_id, event, now)
+            code, detail, decision = await redis_apply(store, plan.plan, plan.digest, run_id, event, now)
+            assert (code, detail, decision) == (mine.code, mine.detail, mine.decision), (step, event)
+        assert await redis_state(store, run_id, plan.plan) == memory_state(memory, run_id, plan.plan), (
+            step,
+            event,
+        )
+    return memory
+
+
 @pytest.mark.parametrize("case", REDRIVE_CASES, ids=[c.id for c in REDRIVE_CASES])
 def test_memory_store_and_redis_store_agree_on_every_redrive(case: Case) -> None:
     """Each re-drive case (tests/unit/redrive_cases.py): the failing epoch, the re-drive and the new
@@ -245,19 +266,7 @@ def test_memory_store_and_redis_store_agree_on_every_redrive(case: Case) -> None
     plan = redrive_compiled(case.definition)
 
     async def test(store: RedisStore) -> None:
-        memory = MemoryStore()
-        for step, (event, now) in enumerate(sim.log):
-            if isinstance(event, Poisoned):  # lua/poison.lua and its port
-                code = await store.poison(SHARD, run_id, event.message_id, event.error, now)
-                assert code == memory.poison(run_id, event.message_id, event.error, now), (step, event)
-                continue
-            mine = apply_event(memory, plan.plan, plan.digest, run_id, event, now)
-            code, detail, decision = await redis_apply(store, plan.plan, plan.digest, run_id, event, now)
-            assert (code, detail, decision) == (mine.code, mine.detail, mine.decision), (step, event)
-            assert await redis_state(store, run_id, plan.plan) == memory_state(memory, run_id, plan.plan), (
-                step,
-                event,
-            )
+        await replay_both(store, plan, run_id, sim.log)
         final = await redis_state(store, run_id, plan.plan)
         assert final.record["status"] == sim.status
         assert [h[0] for h in final.history] == sim.kinds()
@@ -268,6 +277,59 @@ def test_memory_store_and_redis_store_agree_on_every_redrive(case: Case) -> None
         with redis.Redis.from_url(REDIS_URL, decode_responses=True) as r:
             violations = invariants.check_runs(r, store.prefix, [run_id], expect_state=None, effects=False)
         invariants.assert_no_violations(violations, case.id)
+
+    with_store(test)
+
+
+BAG_TO_JOIN = """
+    name: bag-to-join
+    version: "1.0.0"
+    entry: split
+    stages:
+      - name: split
+        type: fork
+        branches: [bag, quick]
+      - name: bag
+        type: map
+        worker: thumbnail.render@3
+        queue: tasks.parallel
+        items: "${context.modelIds}"
+        max_items: 10
+        input: { modelId: "${item}" }
+        on_success: meet
+        on_failure: meet
+      - name: quick
+        type: action
+        action: cache.lookup@1
+        input: { modelId: "q" }
+        on_success: meet
+      - name: meet
+        type: join
+        required: [bag, quick]
+        acceptable_terminal_states: [completed, failed]
+        on_success: completed
+"""
+
+
+def test_an_item_that_arrived_stays_even_when_its_failure_would_arrive_at_a_join() -> None:
+    """A bag's item arrived; its task, redelivered and run again, fails under the same report id. The
+    failure's route would fail the bag and arrive at the join: the arrival function must refuse it as
+    the item's duplicate (its absent member), as the transition function and the port do."""
+    plan = compile_yaml(BAG_TO_JOIN)
+    run_id = f"run-bag-join-{uuid.uuid4().hex[:8]}"
+    sim = Sim(plan.plan, plan.digest, run_id=run_id)
+    sim.start({"modelIds": ["a", "b"]})
+    sim.deliver_at(0)
+    handled = sim.deliver_task("bag", 0)
+    assert handled is not None and handled.took_effect
+    again = dataclasses.replace(handled.event, ok=False, result=None, error="boom", retryable=False)
+    refused = sim.handle(again)
+    assert refused.decision.arrival is not None and refused.decision.absent  # the case under test
+    assert refused.code == DUPLICATE and sim.record["s:bag:status"] == "queued"
+
+    async def test(store: RedisStore) -> None:
+        memory = await replay_both(store, plan, run_id, sim.log)
+        assert memory.runs[run_id].record["s:bag:status"] == "queued"
 
     with_store(test)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from orchestrator.engine.model import CancelRun, Redrive, Verdict
 from orchestrator.engine.sizes import Limits
 from orchestrator.store.memory import DUPLICATE
+from tests.conftest import DEFINITIONS, compile_yaml
 from tests.unit.engine_sim import Sim, report
 from tests.unit.redrive_cases import cases, fail, in_order
 from tests.unit.test_engine import compiled, sim_for
@@ -128,3 +129,37 @@ def test_a_poisoned_run_is_fenced_before_its_new_epoch() -> None:
     sim.pending += in_flight
     sim.run()
     assert sim.status == "completed" and sim.record["s:notify:status"] == "cancelled"
+
+
+def test_a_failed_run_that_undid_stages_and_has_no_finalisers_can_be_redriven() -> None:
+    """Its phase ends with it: left 'compensating', it would look poisoned mid-undo for ever."""
+    text = (DEFINITIONS / "model-ingest.yaml").read_text().replace("finalisers: [audit.run-terminal@1]", "")
+    plan = compile_yaml(text)
+    sim = Sim(plan.plan, plan.digest, fail_stages=frozenset({"publish"}))
+    sim.start({"modelId": "m-1"})
+    sim.run()
+    assert sim.status == "failed" and sim.entries("compensation.completed")
+    assert sim.record.get("phase") == ""
+    sim.fail_stages = frozenset()
+    assert sim.handle(Redrive("redrive-1")).took_effect
+    sim.run()
+    assert sim.status == "completed"
+
+
+def test_a_run_poisoned_mid_undo_whose_undo_is_lost_is_redriven_only_when_the_operator_says_so() -> None:
+    case = next(
+        c for c in cases() if c.id == "model-ingest[fail publish, poison while undoing render-thumbnail]"
+    )
+    sim = case.sim()
+    in_flight = fail(sim, case, in_order)
+    assert sim.record["phase"] == "compensating" and in_flight  # the undo's task: lost, say
+    sim.fail_stages = frozenset()
+    assert sim.handle(Redrive("redrive-1")).verdict is Verdict.INVALID
+    assert "--undo-lost" in sim.history[-1]["detail"]["detail"]
+    applied = sim.handle(Redrive("redrive-2", "the undo was the poison message", "ops@host", undo_lost=True))
+    assert applied.took_effect
+    (abandoned,) = sim.entries("compensation.abandoned")
+    assert abandoned["stage"] == "compensate:render-thumbnail" and abandoned["detail"] == {"by": "ops@host"}
+    sim.run()
+    assert sim.status == "completed"
+    assert sim.record["s:render-thumbnail:fence"] == "2.1"  # taken as undone: rendered again

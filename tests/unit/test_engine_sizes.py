@@ -370,3 +370,76 @@ def test_the_client_refuses_a_context_that_is_not_json() -> None:
         assert "not valid JSON" in exc.problems[0]
     else:
         raise AssertionError("a context with Infinity was sent")
+
+
+GUARDED = """
+    name: guarded
+    version: "1.0.0"
+    entry: look
+    stages:
+      - name: look
+        type: action
+        action: cache.lookup@1
+        input: { modelId: "m" }
+        on_success: route
+      - name: route
+        type: decision
+        branches:
+          - when: 'has(stages.look) && stages["look"].result.hit == false'
+            next: completed
+          - when: "true"
+            next: big
+      - name: big
+        type: action
+        action: cache.lookup@1
+        input: { modelId: "${context.blob}" }
+        on_success: completed
+"""
+
+
+def test_the_door_stops_at_a_decision_that_reads_a_stage_even_behind_has() -> None:
+    """``has(stages.look)`` is false before any stage ran, not an error: the door must not take the
+    fallback as the route and refuse a start for a stage only a worker's answer could reach."""
+    sim, problems = inline_run(GUARDED, {"blob": "b" * 20_000})
+    assert problems == [] and sim.status == "completed"
+    assert [t.body["stage"] for t in sim.tasks] == ["look"]
+
+
+def test_the_client_checks_a_context_as_the_shard_will_read_it() -> None:
+    """A tuple travels as a JSON list: the client checks the list, or it would refuse (schema) or accept
+    (sizes) what the shard decides otherwise."""
+    plan = compiled("thumbnail-batch")
+    active = ActivePlan(plan.digest, "fast", plan.plan)
+    settings_ = Settings(max_transition_bytes=1_048_576)
+    checked_start(SIGNER, settings_, active, "thumbnail-batch", "run-1", {"modelIds": ("a", "b")})
+    many = {"modelIds": tuple(f"{i}-" + "m" * 600 for i in range(1_500))}  # tasks ~1.6 MB in all
+    listed = {"modelIds": list(many["modelIds"])}
+    shard = door.start_problems(plan.plan, plan.digest, listed, settings_.limits())
+    try:
+        checked_start(SIGNER, settings_, active, "thumbnail-batch", "run-1", many)
+    except StartRefused as exc:
+        assert shard and [p.split(":")[0] for p in exc.problems] == [p.split(":")[0] for p in shard]
+    else:
+        raise AssertionError("the client accepted what the shard refuses")
+
+
+def test_a_nudge_that_fails_a_stage_sends_nothing_else_in_that_transition() -> None:
+    """The failure may end the run (cancelling the rest): a task re-sent beside it would run for a run
+    that already failed. A later nudge re-sends what is left, if the run goes on."""
+    plan = compiled("model-ingest")
+    sim = Sim(plan.plan, plan.digest)
+    sim.start({"modelId": "m" * 50_000})
+    sim.deliver_at(0)
+    sim.deliver_task("cache-lookup")
+    sim.deliver_task("render-thumbnail")
+    tasks = {d.stage: d.task for d in sim.pending if d.kind == "task"}
+    assert sorted(tasks) == ["semantic-analysis", "technical-metadata"]
+    sim.pending.clear()
+    # the limit was lowered to between the two tasks' sizes: the first (by name) fits, the second not
+    fits = sizes.body_bytes(tasks["semantic-analysis"].body)  # type: ignore[union-attr]
+    assert sizes.body_bytes(tasks["technical-metadata"].body) > fits  # type: ignore[union-attr]
+    sim.limits = sizes.Limits(fits + sizes.ENVELOPE_MARGIN_BYTES)
+    handled = sim.handle(Nudge("nudge-1"))
+    published = [(m.kind, m.body.get("stage")) for m in handled.published]
+    assert ("task", "semantic-analysis") not in published and ("cancel", "semantic-analysis") in published
+    assert sim.record["s:technical-metadata:status"] == "failed"

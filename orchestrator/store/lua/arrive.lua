@@ -4,8 +4,9 @@
 -- run version, and cost O(1) whatever the size of the bag. A member counts once: HEXISTS on the barrier
 -- hash. The counter lives in the run hash; the arrival that takes it to 0 appends the release message
 -- (a deterministic id) to the outbox, so the successor is released exactly once.
--- The rest of the transition (a timer it claims, timers it sets or clears, messages it causes, fields it
--- writes) is applied as saga_transition applies it: the arrival is one more effect, not a shortcut.
+-- The rest of the transition is checked and applied as saga_transition does it (a timer it claims,
+-- members that must be absent, expectations; timers it sets or clears, messages it causes, fields it
+-- writes): the arrival is one more effect, not a shortcut. Only the applied-id set is not consulted.
 -- The message id is not added to the applied set (spec.remember is false): membership is the dedupe,
 -- and a bag of 10,000 items must not keep 10,000 ids.
 -- Returns {0 APPLIED, remaining} | {1 DUPLICATE} | {2 CONFLICT, field} | {4 NO_RUN} | {5 TIMER_GONE}.
@@ -18,6 +19,11 @@ local function saga_arrive(keys, args)
   end
   if not timer_claimed(keys, spec) then
     return {TIMER_GONE, ''}
+  end
+  for _, m in ipairs(spec.absent) do
+    if redis.call('HEXISTS', keys[m[1]], m[2]) == 1 then
+      return record_duplicate(keys, spec, nil)
+    end
   end
   local failed = check_expects(keys[1], spec.expects)
   if failed then
