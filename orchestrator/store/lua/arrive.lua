@@ -20,10 +20,8 @@ local function saga_arrive(keys, args)
   if not timer_claimed(keys, spec) then
     return {TIMER_GONE, ''}
   end
-  for _, m in ipairs(spec.absent) do
-    if redis.call('HEXISTS', keys[m[1]], m[2]) == 1 then
-      return record_duplicate(keys, spec, nil)
-    end
+  if any_present(keys, spec.absent) then
+    return record_duplicate(keys, spec, nil)
   end
   local failed = check_expects(keys[1], spec.expects)
   if failed then

@@ -30,6 +30,15 @@ local function check_expects(run, expects)
   return nil
 end
 
+-- Barrier members that must not have arrived (a bag item's failure after its success): any present makes
+-- the message a duplicate.
+local function any_present(keys, absent)
+  for _, m in ipairs(absent) do
+    if redis.call('HEXISTS', keys[m[1]], m[2]) == 1 then return true end
+  end
+  return false
+end
+
 local function append_history(stream, entries, at)
   for _, h in ipairs(entries) do
     redis.call('XADD', stream, '*', 'kind', h[1], 'stage', h[2], 'attempt', h[3], 'at', at, 'detail', h[4])
