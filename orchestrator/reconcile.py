@@ -97,7 +97,8 @@ class Reconciler:
             return report
         if too_big:
             await self._drop_undeliverable(shard, self.publisher, too_big, now_ms)
-        sendable = [m for m in messages if m not in too_big]
+        dropped = {m.message_id for m in too_big}
+        sendable = [m for m in messages if m.message_id not in dropped]
         if sendable:
             report.republished += await publish_and_mark(self.store, self.publisher, shard, sendable, now_ms)
         return report

@@ -128,10 +128,11 @@ def _stage_result(step: Step, event: StageResult) -> Decision:
     run = step.run
     rec = run.stages.get(event.stage)
     stage = step.plan["stages"].get(event.stage)
-    refused = _unknown_report(step, event, stage, rec)
+    if stage is None or rec is None:
+        return rejected(Verdict.INVALID, f"stage {event.stage!r} was never dispatched", event.stage)
+    refused = _unknown_report(step, event, stage)
     if refused is not None:
         return refused
-    assert stage is not None and rec is not None  # _unknown_report refused the rest
     if event.cancelled and rec.fence == event.fence and rec.status in FENCED_OFF:
         item = {} if event.item is None else {"item": event.item}
         step.record("cancellation.acknowledged", event.stage, event.attempt, fence=event.fence, **item)
@@ -179,12 +180,8 @@ def _stage_result(step: Step, event: StageResult) -> Decision:
     return step.decision()
 
 
-def _unknown_report(
-    step: Step, event: StageResult, stage: Mapping[str, Any] | None, rec: StageRecord | None
-) -> Decision | None:
+def _unknown_report(step: Step, event: StageResult, stage: Mapping[str, Any]) -> Decision | None:
     """Why ``event`` reports on no task this run dispatched (None: it does)."""
-    if stage is None or rec is None:
-        return rejected(Verdict.INVALID, f"stage {event.stage!r} was never dispatched", event.stage)
     if stage["type"] not in WORK_STAGE_TYPES:
         why = f"{event.stage!r} is a {stage['type']}; no worker reports on it"
         return rejected(Verdict.INVALID, why, event.stage)

@@ -215,6 +215,13 @@ class Builder:
             body["report"] = report
         return Outgoing(message_id, "task", ("task", queue), body)
 
+    def send_or_why(self, message: Outgoing) -> str | None:
+        """Send ``message`` if its reader can take it (it fits ``limits``); else say why it cannot."""
+        problem = sizes.too_big(message.body, self.limits)
+        if problem is None:
+            self.outgoing.append(message)
+        return problem
+
     def release(self, barrier: str, fence: str) -> Outgoing:
         """The continuation a join or map barrier sends itself, once, when its last member arrives."""
         return Outgoing(
@@ -246,14 +253,20 @@ def rejection(
 
 
 def rejected(
-    verdict: Verdict, why: str, stage: str | None, attempt: int | None = None, **extra: str
+    verdict: Verdict,
+    why: str,
+    stage: str | None,
+    attempt: int | None = None,
+    *,
+    remember: bool = False,
+    **extra: str,
 ) -> Decision:
     """An event that changes nothing: recorded in history with its reason (``extra``: what lets its
     sender find the answer, such as an operator request's id). Its id is not remembered (see
-    ``Step.decision``)."""
-    return Decision(
-        verdict=verdict, history=(rejection(verdict, why, stage, attempt, **extra),), remember=False
-    )
+    ``Step.decision``), but for an operator's request (``remember``): its id can be no report's, and a
+    refusal delivered again after the run changed must not act late."""
+    history = (rejection(verdict, why, stage, attempt, **extra),)
+    return Decision(verdict=verdict, history=history, remember=remember)
 
 
 def context_problems(plan: Mapping[str, Any], context: Mapping[str, Any]) -> list[str]:

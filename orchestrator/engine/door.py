@@ -26,7 +26,7 @@ from orchestrator.engine.model import RunSnapshot, RunStatus
 from orchestrator.engine.step import WORK_STAGE_TYPES, Step
 from orchestrator.errors import BindingError
 
-__all__ = ["context_problems", "start_problems", "task_problems"]
+__all__ = ["context_problems", "start_problems"]
 
 STAGE_ROOT = frozenset({"stages"})
 
@@ -44,10 +44,10 @@ def start_problems(
     problems = context_problems(plan, context)
     if problems:
         return [f"invalid context: {p}" for p in problems]
-    return task_problems(plan, digest, context, limits, identity)
+    return _task_problems(plan, digest, context, limits, identity)
 
 
-def task_problems(
+def _task_problems(
     plan: Mapping[str, Any],
     digest: str,
     context: Mapping[str, Any],

@@ -77,9 +77,8 @@ class Ending(Builder):
             self.write(RUN, compensation_index=str(position), phase="compensating")
             task = self.compensation_task(order[position], position)
             self.record("compensation.dispatched", task.body["stage"], contract=task.body["contract"])
-            problem = sizes.too_big(task.body, self.limits)
+            problem = self.send_or_why(task)
             if problem is None:
-                self.outgoing.append(task)
                 return
             self.write(RUN, compensation_failed="1")
             error = f"its task cannot be sent: {problem}"
@@ -135,9 +134,8 @@ class Ending(Builder):
             task = self.finaliser_task(position)
             label = ids.finaliser_label(position)
             self.record("finaliser.dispatched", label, contract=finalisers[position])
-            problem = sizes.too_big(task.body, self.limits)
+            problem = self.send_or_why(task)
             if problem is None:
-                self.outgoing.append(task)
                 return
             self.write(RUN, finaliser_failed="1")
             self.record("finaliser.failed", label, error=f"its task cannot be sent: {problem}")

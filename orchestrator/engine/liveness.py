@@ -9,7 +9,6 @@ also claims its member in the shard's timer set, so a timer that was moved (a he
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -176,7 +175,7 @@ def cancel_run(step: Step, event: CancelRun) -> Decision:
     if run.intent is not None:
         why = f"the run already has the {run.intent.value} intent ({run.reason or 'no reason'})"
         # remembered: a refused request delivered again after a re-drive must not cancel the new epoch
-        return dataclasses.replace(rejected(Verdict.LATE, why, None, request=event.message_id), remember=True)
+        return rejected(Verdict.LATE, why, None, request=event.message_id, remember=True)
     reason = "cancelled" + (f": {event.reason}" if event.reason else "")
     step.record("cancel.requested", by=event.requested_by, why=event.reason)
     step.set_intent(Intent.FAILED, reason)

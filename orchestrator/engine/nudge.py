@@ -53,17 +53,11 @@ def _resend_ending(step: Step) -> None:
     if run.phase == "compensating":
         index = run.compensation_index
         step.expect(RUN, "compensation_index", str(index))
-        task = step.compensation_task(run.compensations[index], index)
-        if sizes.too_big(task.body, step.limits) is None:
-            step.outgoing.append(task)
-        else:
+        if step.send_or_why(step.compensation_task(run.compensations[index], index)) is not None:
             step.start_compensation(run.compensations, index)  # fails it with the reason, goes on
         return
     step.expect(RUN, "finaliser_index", str(run.finaliser_index))
-    task = step.finaliser_task(run.finaliser_index)
-    if sizes.too_big(task.body, step.limits) is None:
-        step.outgoing.append(task)
-    else:
+    if step.send_or_why(step.finaliser_task(run.finaliser_index)) is not None:
         step.start_finaliser(run.finaliser_index)
 
 

@@ -105,4 +105,4 @@ def redrive(step: Step, event: Redrive) -> Decision:
 
 def refused(why: str, event: Redrive) -> Decision:
     """A refused request, recorded under its id (so the CLI finds the answer) and remembered."""
-    return dataclasses.replace(rejected(Verdict.INVALID, why, None, request=event.message_id), remember=True)
+    return rejected(Verdict.INVALID, why, None, request=event.message_id, remember=True)

@@ -214,14 +214,12 @@ class Step(Ending):
             return
         previous = self.stage(name)
         fence = ids.stage_fence(self.run.epoch, attempt)
-        task = self.stage_task(name, stage, attempt, fence, payload, None)
-        problem = sizes.too_big(task.body, self.limits)
+        problem = self.send_or_why(self.stage_task(name, stage, attempt, fence, payload, None))
         if problem is not None:
             self.fail_to_start(name, stage, f"the task cannot be sent: {problem}")
             return
         self.expect(Key("stage", name), "fence", previous.fence if previous else None)
         self.set_stage(name, StageRecord(StageStatus.DISPATCHED, attempt, fence))
-        self.outgoing.append(task)
         self.record("stage.dispatched", name, attempt, queue=stage["queue"])
         if stage.get("queue_deadline_ms"):
             self.set_timer(Clock.QUEUE, name, fence, stage["queue_deadline_ms"])
@@ -250,13 +248,11 @@ class Step(Ending):
         except (BindingError, IndexError, TypeError) as exc:  # the items changed: nothing to retry
             self._fail_item_dispatch(name, stage, rec, item, attempt, str(exc), "binding")
             return
-        task = self.stage_task(name, stage, attempt, rec.fence, payload, item)
-        problem = sizes.too_big(task.body, self.limits)
+        problem = self.send_or_why(self.stage_task(name, stage, attempt, rec.fence, payload, item))
         if problem is not None:
             error = f"the task cannot be sent: {problem}"
             self._fail_item_dispatch(name, stage, rec, item, attempt, error, "size")
             return
-        self.outgoing.append(task)
         self.record("item.dispatched", name, attempt, item=item)
 
     def _fail_item_dispatch(
