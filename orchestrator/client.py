@@ -24,7 +24,6 @@ from orchestrator.bus import names
 from orchestrator.bus.envelope import Envelope, Kind, Signer, encode
 from orchestrator.engine.door import start_problems
 from orchestrator.engine.model import TERMINAL_RUN_STATUSES, RunSnapshot, RunStatus
-from orchestrator.engine.sizes import not_json
 from orchestrator.errors import SagaError
 from orchestrator.settings import Settings, redis_client
 from orchestrator.store.keys import ShardKeys, active_key, index_key, plan_key
@@ -224,10 +223,10 @@ def checked_start(
     definition, and a message (and tasks) that fit ``SAGA_MAX_MESSAGE_BYTES``. Raises StartRefused."""
     if not isinstance(context, Mapping):
         raise StartRefused(definition, [f"the context must be a JSON object, not {type(context).__name__}"])
-    invalid = not_json(context)
-    if invalid is not None:
-        raise StartRefused(definition, [f"the context: {invalid}"])
-    context = json.loads(json.dumps(context))  # checked as the shard will read it (a tuple is a list)
+    try:  # checked as the shard will read it: JSON (no NaN), a tuple as a list
+        context = json.loads(json.dumps(context, allow_nan=False))
+    except (TypeError, ValueError) as exc:
+        raise StartRefused(definition, [f"the context: it is not valid JSON ({exc})"]) from exc
     limits = settings.limits()
     # the tasks will name the run, and a shard of the class that is not known yet: the longest one
     identity = RunSnapshot(run_id, f"{plan.shard_class}.99999", plan.digest, RunStatus.PENDING, context)

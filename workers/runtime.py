@@ -307,7 +307,7 @@ def report_body(outcome: Outcome, limits: sizes.Limits) -> dict[str, Any]:
     attempt would wait for its deadline, or for ever); an error text is cut to a bounded length."""
     if outcome.ok:
         body = {"ok": True, "result": outcome.value}
-        problem = sizes.not_json(outcome.value) or sizes.too_big(body, limits)
+        problem = sizes.too_big(body, limits)
         if problem is None:
             return body
         return {"ok": False, "error": f"the result cannot be sent: {problem}", "retryable": False}

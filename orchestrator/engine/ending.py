@@ -173,9 +173,10 @@ class Ending(Builder):
             "output": json.loads(written) if written else self.run.output,
             "reason": self.reason or self.run.reason,
         }
-        if sizes.too_big(body, self.limits) is not None:
+        problem = sizes.too_big(body, self.limits)
+        if problem is not None:
             # the run's record keeps the output; the event says where to read it rather than not arrive
-            omitted = f"too large for a message; read it with 'saga status {self.run.run_id}'"
+            omitted = f"{problem}; read the output with 'saga status {self.run.run_id}'"
             body.update(output=None, output_omitted=omitted)
         self.outgoing.append(
             Outgoing(

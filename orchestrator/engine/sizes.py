@@ -51,8 +51,12 @@ def body_bytes(body: Mapping[str, Any]) -> int:
 
 
 def too_big(body: Mapping[str, Any], limits: Limits) -> str | None:
-    """Why ``body`` cannot be sent (None: it fits)."""
-    size = body_bytes(body)
+    """Why ``body`` cannot be sent (None: it can): it is not JSON, or too large. NaN and infinities are
+    not JSON: a reader re-serialises them as null, so the signature over them no longer matches."""
+    try:
+        size = len(json.dumps(body, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode())
+    except (TypeError, ValueError) as exc:
+        return f"it is not valid JSON ({exc})"
     if size <= limits.max_body_bytes:
         return None
     return (
@@ -60,16 +64,6 @@ def too_big(body: Mapping[str, Any], limits: Limits) -> str | None:
         f"message body (SAGA_MAX_MESSAGE_BYTES {limits.max_message_bytes:,} less "
         f"{ENVELOPE_MARGIN_BYTES} for the envelope)"
     )
-
-
-def not_json(value: Any) -> str | None:
-    """Why ``value`` cannot travel in a message as JSON (None: it can). NaN and infinities are not JSON:
-    a reader re-serialises them as null, so the signature over them no longer matches."""
-    try:
-        json.dumps(value, allow_nan=False)
-    except (TypeError, ValueError) as exc:
-        return f"it is not valid JSON ({exc})"
-    return None
 
 
 def bounded(text: str, limit: int = MAX_ERROR_CHARS) -> str:

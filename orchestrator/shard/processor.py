@@ -8,6 +8,7 @@ then sees the newer state (typically: a duplicate or a late callback, recorded a
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -222,10 +223,10 @@ class Processor:
             return Outcome(rejected=("unknown-run", f"run {run_id} does not exist on {shard}"))
         plan, snapshot = loaded
         bags = tuple(n for n in snapshot.stages if plan["stages"].get(n, {}).get("type") == "map")
-        with_members = await self.store.snapshot(shard, run_id, members_of=bags) if bags else snapshot
-        if with_members is None:
-            return Outcome(rejected=("unknown-run", f"run {run_id} does not exist on {shard}"))
-        return await self._decide(shard, run_id, Nudge(message_id), plan, snapshot.digest, None, with_members)
+        if bags:  # which items arrived, read again on every retry: the nudge re-sends the others
+            snapshot = dataclasses.replace(snapshot, arrivals=await self.store.arrivals(shard, run_id, bags))
+        event = Nudge(message_id)
+        return await self._decide(shard, run_id, event, plan, snapshot.digest, None, snapshot, bags)
 
     async def _load(self, shard: str, run_id: str) -> tuple[dict[str, Any], RunSnapshot] | None:
         """A run's plan and snapshot, or None if the run does not exist on this shard."""
@@ -251,12 +252,13 @@ class Processor:
         digest: str,
         map_stage: str | None,
         first: RunSnapshot | None = None,
+        members_of: tuple[str, ...] = (),
     ) -> Outcome:
         for attempt in range(MAX_CONFLICT_RETRIES):
             snapshot = (
                 first
                 if attempt == 0 and first is not None
-                else await self.store.snapshot(shard, run_id, map_stage)
+                else await self.store.snapshot(shard, run_id, map_stage, members_of)
             )
             now = self.clock_ms()
             decision = advance(plan, digest, snapshot, event, now, self.limits)

@@ -121,11 +121,16 @@ class RedisStore:
         snapshot = snapshot_from_record(_text(record), maps)
         if not members_of:
             return snapshot
-        arrivals = {}
-        for barrier in members_of:
-            members = await self.client.hkeys(keys.barrier(run_id, barrier))  # type: ignore[misc]
-            arrivals[barrier] = frozenset(_str(m) for m in members)
-        return dataclasses.replace(snapshot, arrivals=arrivals)
+        return dataclasses.replace(snapshot, arrivals=await self.arrivals(shard, run_id, members_of))
+
+    async def arrivals(self, shard: str, run_id: str, barriers: tuple[str, ...]) -> dict[str, frozenset[str]]:
+        """The members that arrived at each of ``barriers`` (one round trip)."""
+        keys = self.keys(shard)
+        async with self.client.pipeline(transaction=False) as pipe:
+            for barrier in barriers:
+                pipe.hkeys(keys.barrier(run_id, barrier))
+            replies = await pipe.execute()
+        return {b: frozenset(_str(m) for m in members) for b, members in zip(barriers, replies, strict=True)}
 
     async def snapshots(self, shard: str, wanted: list[tuple[str, str | None]]) -> list[RunSnapshot | None]:
         """Many snapshots in one round trip: ``wanted`` is (run id, map stage to load results of)."""

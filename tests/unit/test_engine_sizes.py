@@ -443,3 +443,28 @@ def test_a_nudge_that_fails_a_stage_sends_nothing_else_in_that_transition() -> N
     published = [(m.kind, m.body.get("stage")) for m in handled.published]
     assert ("task", "semantic-analysis") not in published and ("cancel", "semantic-analysis") in published
     assert sim.record["s:technical-metadata:status"] == "failed"
+
+
+INFINITE_OUTPUT = """
+    name: infinite-output
+    version: "1.0.0"
+    entry: look
+    output:
+      ratio: "${1.0 / 0.0}"
+    stages:
+      - name: look
+        type: action
+        action: cache.lookup@1
+        input: { modelId: "m" }
+        on_success: completed
+"""
+
+
+def test_a_value_that_is_not_json_never_travels_the_event_says_why_it_left_it_out() -> None:
+    """CEL can compute infinity; JSON cannot carry it (a reader's re-serialisation would break the
+    signature), so the finished event leaves the output out and says why, like one too large."""
+    sim, _ = inline_run(INFINITE_OUTPUT, {})
+    assert sim.status == "completed"
+    (event,) = sim.finished
+    assert event.body["output"] is None and "not valid JSON" in event.body["output_omitted"]
+    assert sizes.too_big({"x": float("nan")}, LIMITS) is not None
