@@ -13,6 +13,7 @@ import pytest
 
 from orchestrator.client import SyncClient
 from orchestrator.store.keys import ShardKeys, index_key
+from tests.faults import invariants
 from tests.integration.stack import Stack, poll, rabbitmqctl, running
 
 pytestmark = pytest.mark.services
@@ -128,3 +129,18 @@ def test_a_bag_whose_item_tasks_vanished_is_nudged_and_only_its_missing_items_ar
     assert result.state == "completed" and result.output["count"] == 5
     (nudged,) = [e for e in stack.history(run_id) if e["kind"] == "run.nudged"]
     assert len(nudged["detail"]["resent"]) == 5
+
+
+# ---- after every scenario above ----------------------------------------------------------------------
+
+
+def test_the_shared_invariants_hold_over_every_run_the_reconciler_repaired(stack: Stack) -> None:
+    """The fault suite's checks over every run of this module (completed, or failed with the reason
+    where a step could no longer be sent), the demo's effect ledger, and no dead letters."""
+    run_ids = [str(k).rsplit("{", 1)[1].rstrip("}") for k in stack.redis.scan_iter(f"{stack.prefix}:index:*")]
+    assert run_ids, "no runs to check: run the scenarios above with this test"
+    pending = invariants.wait_for_convergence(stack.redis, stack.prefix, run_ids, 30)
+    invariants.assert_no_violations(pending, "liveness")
+    violations = invariants.check_runs(stack.redis, stack.prefix, run_ids, expect_state=None, all_runs=True)
+    depths = stack.queue_depths()
+    invariants.assert_no_violations(violations + invariants.dead_letters(depths), "the reconciler's repairs")
