@@ -179,7 +179,7 @@ class Step(Ending):
         tasks = [self.stage_task(name, stage, 1, fence, payload, i) for i, payload in enumerate(inputs)]
         problem = self.bag_problem(tasks)
         if problem is not None:
-            self.fail_to_start(name, stage, problem)
+            self.fail_to_start(name, stage, problem, "size")
             return
         self.set_stage(name, StageRecord(StageStatus.DISPATCHED, 1, fence, items=len(items)))
         self.barriers.append(BarrierInit(Key("barrier", name), len(items)))
@@ -216,7 +216,7 @@ class Step(Ending):
         fence = ids.stage_fence(self.run.epoch, attempt)
         problem = self.send_or_why(self.stage_task(name, stage, attempt, fence, payload, None))
         if problem is not None:
-            self.fail_to_start(name, stage, f"the task cannot be sent: {problem}")
+            self.fail_to_start(name, stage, f"the task cannot be sent: {problem}", "size")
             return
         self.expect(Key("stage", name), "fence", previous.fence if previous else None)
         self.set_stage(name, StageRecord(StageStatus.DISPATCHED, attempt, fence))
@@ -294,11 +294,12 @@ class Step(Ending):
         self.set_stage(name, StageRecord(status, rec.attempt, rec.fence, error=error))
         self.enter(name, stage["on_failure"], status.value, error)
 
-    def fail_to_start(self, name: str, stage: Mapping[str, Any], error: str) -> None:
-        """A stage whose input cannot be bound fails without being dispatched, and follows on_failure."""
+    def fail_to_start(self, name: str, stage: Mapping[str, Any], error: str, reason: str = "binding") -> None:
+        """A stage whose input cannot be bound (``reason`` binding), or whose task(s) cannot be sent
+        (``size``), fails without being dispatched, and follows on_failure."""
         previous = self.stage(name)
         fence = ids.stage_fence(self.run.epoch, 1)
         self.expect(Key("stage", name), "fence", previous.fence if previous else None)
         self.set_stage(name, StageRecord(StageStatus.FAILED, 1, fence, error=error))
-        self.record("stage.failed", name, 1, error=error, reason="binding")
+        self.record("stage.failed", name, 1, error=error, reason=reason)
         self.enter(name, stage["on_failure"], "failed", error)

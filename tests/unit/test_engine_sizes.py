@@ -468,3 +468,30 @@ def test_a_value_that_is_not_json_never_travels_the_event_says_why_it_left_it_ou
     (event,) = sim.finished
     assert event.body["output"] is None and "not valid JSON" in event.body["output_omitted"]
     assert sizes.too_big({"x": float("nan")}, LIMITS) is not None
+
+
+DOUBLES_A_RESULT = """
+    name: doubles-a-result
+    version: "1.0.0"
+    entry: a
+    stages:
+      - name: a
+        type: action
+        action: cache.lookup@1
+        input: { modelId: "${context.m}" }
+        on_success: b
+      - name: b
+        type: action
+        action: catalogue.publish@2
+        input: { modelId: '${stages["a"].result.modelId}${stages["a"].result.modelId}' }
+        on_success: completed
+"""
+
+
+def test_a_task_that_cannot_be_sent_fails_its_stage_at_dispatch_and_says_it_was_the_size() -> None:
+    """The door checks what the context alone decides; a task bound from a stage result is measured
+    when its stage is dispatched, and the stage fails there, recorded as a size failure."""
+    sim, problems = inline_run(DOUBLES_A_RESULT, {"m": "m" * 8_000})
+    assert problems == [] and sim.status == "failed"
+    (failed,) = sim.entries("stage.failed", "b")
+    assert failed["detail"]["reason"] == "size" and "the task cannot be sent" in failed["detail"]["error"]
