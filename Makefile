@@ -5,7 +5,12 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck unit install clean
+.PHONY: demo test test-fast lint typecheck unit rest install clean
+
+# Unit tests (no services, seconds) run before the rest (RabbitMQ + Redis, minutes), so a unit failure
+# shows at once. Together the two runs cover every test under tests/ (pyproject testpaths), as before.
+UNIT_TESTS := tests/unit tests/golden
+NOT_UNIT   := $(foreach d,$(UNIT_TESTS),--ignore=$(d))
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,9 +31,20 @@ typecheck: $(STAMP)
 	$(BIN)/mypy
 
 unit: $(STAMP)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest $(UNIT_TESTS)
 
-test: lint typecheck unit
+rest: $(STAMP)  # integration, CLI and fault-injection tests
+	$(BIN)/python -m pytest tests $(NOT_UNIT)
+
+# Everything, unit tests first (what .ci/run runs): about 9-10 minutes on 2 cores.
+test: lint typecheck
+	$(BIN)/python -m pytest $(UNIT_TESTS)
+	$(BIN)/python -m pytest tests $(NOT_UNIT)
+
+# The quick loop: everything but the fault suite (tests/faults) and the tests marked slow.
+test-fast: lint typecheck
+	$(BIN)/python -m pytest $(UNIT_TESTS) -x -q
+	$(BIN)/python -m pytest tests $(NOT_UNIT) --ignore=tests/faults -m 'not slow'
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache .hypothesis
