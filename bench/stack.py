@@ -16,7 +16,6 @@ import re
 import time
 from pathlib import Path
 
-from orchestrator.bus import names
 from orchestrator.store.keys import ShardKeys, index_key
 from tests.integration.stack import Stack, rabbitmqctl
 
@@ -97,7 +96,7 @@ class BenchStack(Stack):
 
     @staticmethod
     def _consumed(queue: str) -> bool:
-        return queue != names.REJECTED_QUEUE and not queue.endswith(".dlq")
+        return not queue.endswith((".dlq", ".rejected"))
 
     def _check_alive(self) -> None:
         dead = {n: p.returncode for n, p in self.processes.items() if p.poll() is not None}

@@ -22,7 +22,6 @@ import pamqp.exceptions
 import pydantic
 
 from orchestrator import deadletters
-from orchestrator.bus import names
 from orchestrator.bus.topology import Topology, apply_topology, to_definitions, topology_for
 from orchestrator.compiler import CompiledPlan, compile_text
 from orchestrator.compiler.mermaid import render_mermaid
@@ -336,10 +335,10 @@ def _dead_letter_queues(queue: str | None, modules: tuple[str, ...], registry_fi
     """The queue asked for, or every dead-letter queue of the topology (so contracts' queues too)."""
     if queue is not None:
         try:
-            return [deadletters.require_dead_letter_queue(queue)]
+            return [deadletters.require_dead_letter_queue(queue, load_settings().names())]
         except deadletters.NotADeadLetterQueue as exc:
             raise click.BadParameter(str(exc), param_hint="--queue") from exc
-    return deadletters.dead_letter_queues(_topology_of(_env(modules, registry_file)))
+    return deadletters.dead_letter_queues(_topology_of(_env(modules, registry_file)), load_settings().names())
 
 
 def _on_broker(call: Callable[[aio_pika.abc.AbstractConnection], Awaitable[T]]) -> T:
@@ -407,7 +406,8 @@ _queue_option = click.option(
     "queue",
     default=None,
     metavar="QUEUE",
-    help=f"Only this queue: a '<queue>.dlq' or {names.REJECTED_QUEUE} (default: every one of them).",
+    help="Only this queue: a '<namespace>.<queue>.dlq' or '<namespace>.rejected' (default: every one of "
+    "the namespace's).",
 )
 
 

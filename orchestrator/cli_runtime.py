@@ -13,7 +13,7 @@ import socket
 import sys
 import time
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aio_pika
 import click
@@ -32,6 +32,9 @@ from orchestrator.shard.processor import Processor
 from orchestrator.shard.service import ShardOptions, ShardService
 from orchestrator.store.keys import ShardKeys
 from orchestrator.store.redis_store import RedisStore
+
+if TYPE_CHECKING:
+    from workers.sdk import Handler
 
 
 def _settings() -> Settings:
@@ -116,6 +119,8 @@ def orchestrator(shard_class: str | None, shards: str, verbose: bool) -> None:
         client = redis_client(settings, per_reply_timeout=False)  # each Redis step is bounded instead
         store = RedisStore(client, settings.key_prefix, settings.retention_ms)
         options = ShardOptions(
+            names=settings.names(),
+            delivery_limit=settings.delivery_limit,
             prefetch=settings.shard_prefetch,
             batch_max=settings.shard_prefetch,
             max_message_bytes=settings.max_message_bytes,
@@ -138,23 +143,66 @@ def orchestrator(shard_class: str | None, shards: str, verbose: bool) -> None:
     _serve(make)
 
 
+class _MissingTopology(click.ClickException):
+    """The broker lacks the namespace's exchanges: a configuration error (exit 2), said in one line."""
+
+    exit_code = 2
+
+
+def _handlers_of_apps(apps: tuple[str, ...]) -> dict[str, Handler]:
+    from workers.sdk import handlers_of
+
+    handlers: dict[str, Handler] = {}
+    for app in apps:
+        try:
+            module = importlib.import_module(app)
+        except Exception as exc:
+            raise click.UsageError(
+                f"cannot import --app {app!r}: {type(exc).__name__}: {exc} (the module must be importable: "
+                "installed, or under the current directory with PYTHONPATH=.)"
+            ) from exc
+        found = handlers_of(module)
+        if not found:
+            raise click.UsageError(f"--app {app!r} declares no @action or @worker handlers")
+        for handler in found:
+            ref = handler.contract.ref
+            other = handlers.get(ref)
+            if other is not None and other.function is not handler.function:
+                raise click.UsageError(
+                    f"{ref} has two handlers, {_where(other)} and {_where(handler)}: one worker process "
+                    "runs one handler per contract version; start the apps as separate workers"
+                )
+            handlers[ref] = handler
+    return handlers
+
+
+def _where(handler: Handler) -> str:
+    return f"{handler.function.__module__}.{handler.function.__qualname__}"
+
+
 @click.command()
 @click.option(
-    "--app", "app", default="workers.demo", show_default=True, help="Module with @action/@worker handlers."
+    "--app",
+    "apps",
+    multiple=True,
+    default=("workers.demo",),
+    show_default=True,
+    help="Module with @action/@worker handlers (repeatable: one process may serve several apps).",
 )
 @click.option(
     "--queue",
     "queues",
     multiple=True,
-    help="Queue to consume (repeatable; default: every queue the app's handlers declare, plus "
-    "tasks.serial, tasks.parallel and tasks.actions).",
+    help="Task queue to serve (repeatable; default: each contract's own queue plus tasks.serial, "
+    "tasks.parallel and tasks.actions). Tasks reach this worker only for the contracts it has handlers for.",
 )
 @click.option("--concurrency", default=8, show_default=True, help="Tasks run at once by this process.")
 @click.option("-v", "--verbose", is_flag=True, help="Log at INFO level.")
-def worker(app: str, queues: tuple[str, ...], concurrency: int, verbose: bool) -> None:
-    """Consume task queues and run the app's handlers."""
-    from workers.runtime import WorkerRuntime
-    from workers.sdk import handlers_of
+def worker(apps: tuple[str, ...], queues: tuple[str, ...], concurrency: int, verbose: bool) -> None:
+    """Consume the queues of the apps' contracts and run their handlers."""
+    from orchestrator.bus.topology import serving_queues
+    from workers.runtime import MissingTopology, WorkerRuntime
+    from workers.serial_lane import SerialLane, lane_key
 
     logging.basicConfig(
         level=logging.INFO if verbose else logging.WARNING,
@@ -162,43 +210,48 @@ def worker(app: str, queues: tuple[str, ...], concurrency: int, verbose: bool) -
     )
     settings = _settings()
     _require_durability(settings, Role.WORKER)
-    try:
-        module = importlib.import_module(app)
-    except Exception as exc:
-        raise click.UsageError(f"cannot import --app {app!r}: {type(exc).__name__}: {exc}") from exc
-    handlers = {h.contract.ref: h for h in handlers_of(module)}
-    if not handlers:
-        raise click.UsageError(f"--app {app!r} declares no @action or @worker handlers")
-    # Stages may override a contract's queue with one of the built-in task queues, so a worker serves
-    # those too unless told otherwise.
-    chosen = list(queues) or sorted(
-        {h.contract.queue for h in handlers.values()} | set(names.BUILTIN_TASK_QUEUES)
-    )
-    startup = getattr(module, "saga_startup", None)
-    if callable(startup):
-        startup(settings)
+    handlers = _handlers_of_apps(apps)
+    serving = serving_queues([h.contract for h in handlers.values()], queues)
+    for app in apps:
+        startup = getattr(importlib.import_module(app), "saga_startup", None)
+        if callable(startup):
+            startup(settings)
 
     async def make() -> tuple[WorkerRuntime, Any]:
         connection = await aio_pika.connect_robust(
             _heartbeat_url(settings.amqp_url, settings.amqp_heartbeat_s)
         )
+        serial = any(queue == names.SERIAL_TASKS for queue, _ in serving)
+        lane_redis = redis_client(settings) if serial else None
         runtime = WorkerRuntime(
             connection,
             handlers,
-            chosen,
+            serving,
             Signer.from_settings(settings.signing_keys),
+            names=settings.names(),
+            lane=None
+            if lane_redis is None
+            else SerialLane(lane_redis, lane_key(settings.key_prefix), settings.serial_lease_ms),
             concurrency=concurrency,
+            delivery_limit=settings.delivery_limit,
             max_message_bytes=settings.max_message_bytes,
             crash_points=frozenset(settings.crash_points),
         )
 
         async def cleanup() -> None:
             await connection.close()
+            if lane_redis is not None:
+                await lane_redis.aclose()
 
         return runtime, cleanup
 
-    click.echo(f"worker {app} consuming {', '.join(chosen)}", err=True)
-    _serve(make)
+    served = ", ".join(sorted({ref for _, ref in serving}))
+    on = ", ".join(sorted({queue for queue, _ in serving}))
+    click.echo(f"worker {', '.join(apps)} serving {served} on {on}", err=True)
+    try:
+        _serve(make)
+    except MissingTopology as exc:
+        raise _MissingTopology(str(exc)) from None
 
 
 @click.group()
@@ -438,7 +491,7 @@ def reconcile(dry_run: bool, min_age_s: float, stranded_after_s: float, as_json:
             reconciler = Reconciler(
                 store,
                 Processor(store, lambda: int(time.time() * 1000), settings.limits()),
-                Publisher(channel, signer),
+                Publisher(channel, signer, settings.names(), settings.delivery_limit),
                 min_age_ms=int(min_age_s * 1000),
                 stranded_after_ms=int(stranded_after_s * 1000),
             )

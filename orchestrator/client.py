@@ -20,7 +20,6 @@ import aio_pika
 import pika
 import redis
 
-from orchestrator.bus import names
 from orchestrator.bus.envelope import Envelope, Kind, Signer, encode
 from orchestrator.engine.door import start_problems
 from orchestrator.engine.model import TERMINAL_RUN_STATUSES, RunSnapshot, RunStatus
@@ -298,7 +297,7 @@ class Client:
         plan = await self._plan_of(definition)
         run_id = run_id_for(definition, idempotency_key)
         envelope = checked_start(self.signer, self.settings, plan, definition, run_id, context)
-        await self._publish(envelope, names.start_exchange(plan.shard_class), run_id)
+        await self._publish(envelope, self.settings.names().start_exchange(plan.shard_class), run_id)
         return run_id
 
     async def _publish(self, envelope: Envelope, exchange_name: str, routing_key: str) -> None:
@@ -349,7 +348,7 @@ class Client:
                 body={"reason": reason, "requested_by": requested_by, **extra},
             )
         )
-        await self._publish(envelope, names.RUNS_EXCHANGE, str(shard))
+        await self._publish(envelope, self.settings.names().runs_exchange, str(shard))
         return envelope.message_id
 
     async def answer(self, run_id: str, request_id: str, timeout_s: float = 30.0) -> RequestAnswer:
@@ -429,7 +428,7 @@ class SyncClient:
         run_id = run_id_for(definition, idempotency_key)
         envelope = checked_start(self.signer, self.settings, plan, definition, run_id, context)
         self._channel.basic_publish(
-            names.start_exchange(plan.shard_class),
+            self.settings.names().start_exchange(plan.shard_class),
             run_id,
             encode(envelope),
             pika.BasicProperties(message_id=envelope.message_id, delivery_mode=2),

@@ -42,7 +42,7 @@ import aiormq
 from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractQueue
 from pamqp import commands as spec
 
-from orchestrator.bus.names import REJECTED_QUEUE
+from orchestrator.bus.names import Names
 from orchestrator.bus.topology import Topology
 from orchestrator.errors import SagaError
 
@@ -81,12 +81,13 @@ class DeadLetterError(SagaError):
 class NotADeadLetterQueue(DeadLetterError):
     """Raised when asked to read a queue that is neither a ``<queue>.dlq`` nor saga.rejected."""
 
-    def __init__(self, queue: str) -> None:
+    def __init__(self, queue: str, names: Names) -> None:
         self.queue = queue
         super().__init__(
-            f"queue {queue!r} is not a dead-letter queue: reading a live queue would take deliveries from "
-            f"its consumers and spend their delivery limit; name a '<queue>{DLQ_SUFFIX}' queue or "
-            f"{REJECTED_QUEUE} ('saga dead-letters list' shows them all)"
+            f"queue {queue!r} is not a dead-letter queue of namespace {names.namespace!r}: reading a live "
+            "queue would take deliveries from its consumers and spend their delivery limit; name a "
+            f"'{names.namespace}.<queue>{DLQ_SUFFIX}' queue or {names.rejected_queue} ('saga dead-letters "
+            "list' shows them all; SAGA_NAMESPACE picks the namespace)"
         )
 
 
@@ -125,20 +126,24 @@ class NotReplayable(DeadLetterError):
 # ---- the pure part -------------------------------------------------------------------------------------
 
 
+REJECTED_SUFFIX = ".rejected"
+
+
 def is_dead_letter_queue(queue: str) -> bool:
-    return queue == REJECTED_QUEUE or queue.endswith(DLQ_SUFFIX)
+    """A ``.dlq`` queue or a namespace's rejected queue, in any namespace: what may be read safely."""
+    return queue.endswith((DLQ_SUFFIX, REJECTED_SUFFIX))
 
 
-def require_dead_letter_queue(queue: str) -> str:
-    if not is_dead_letter_queue(queue):
-        raise NotADeadLetterQueue(queue)
+def require_dead_letter_queue(queue: str, names: Names) -> str:
+    if not names.is_dead_letter_queue(queue):
+        raise NotADeadLetterQueue(queue, names)
     return queue
 
 
-def dead_letter_queues(topology: Topology) -> list[str]:
-    """Every ``.dlq`` queue of the topology, then saga.rejected."""
+def dead_letter_queues(topology: Topology, names: Names) -> list[str]:
+    """Every ``.dlq`` queue of the topology, then the namespace's rejected queue."""
     dlqs = [q.name for q in topology.queues if q.name.endswith(DLQ_SUFFIX)]
-    return [*dlqs, REJECTED_QUEUE]
+    return [*dlqs, names.rejected_queue]
 
 
 @dataclass(frozen=True)
@@ -281,7 +286,7 @@ def describe(
 def replay_target(letter: DeadLetter) -> str:
     """The queue a dead letter goes back to; raises :class:`NotReplayable` when nothing says which."""
     if letter.origin is None:
-        if letter.queue == REJECTED_QUEUE:
+        if letter.queue.endswith(REJECTED_SUFFIX):
             why = (
                 f"its {SOURCE_HEADER} header is missing or empty, so nothing records the queue it was "
                 "refused on; publish it yourself if you know where it belongs"
@@ -388,7 +393,8 @@ def _letter(queue: str, message: AbstractIncomingMessage) -> DeadLetter:
 async def _borrowed(connection: aio_pika.abc.AbstractConnection, queue: str) -> AsyncIterator[_Reading]:
     """A channel on ``queue``; closing it on the way out hands every message read and not acked back to
     the head of the queue, in order."""
-    require_dead_letter_queue(queue)
+    if not is_dead_letter_queue(queue):  # the callers check the namespace too; this is the last guard
+        raise NotADeadLetterQueue(queue, Names())
     channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
     try:
         try:

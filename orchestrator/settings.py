@@ -6,9 +6,10 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 import redis.asyncio as aioredis
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from orchestrator.bus.names import NAMESPACE_PATTERN, Names
 from orchestrator.compiler.limits import AdmissionLimits
 from orchestrator.dsl.expressions import ExpressionLimits
 from orchestrator.dsl.yaml_source import YamlLimits
@@ -59,7 +60,13 @@ class Settings(BaseSettings):
         description="a Redis connect or reply slower than this counts as Redis being down (the "
         "orchestrator stops consuming until it answers again) instead of a wait that never ends",
     )
-    key_prefix: str = Field("saga", description="prefix of every Redis key (tests use their own)")
+    namespace: str = Field(
+        "saga",
+        pattern=NAMESPACE_PATTERN,
+        description="the environment: prefixes every exchange and queue name (and, unless SAGA_KEY_PREFIX "
+        "is set, every Redis key), so environments sharing a broker and a Redis never meet",
+    )
+    key_prefix: str = Field("", description="prefix of every Redis key; empty: the namespace")
     shard_count: int = Field(4, ge=1, le=256, description="shard queues per shard class")
     shard_prefetch: int = Field(64, ge=1, le=1000, description="unacked deliveries per shard consumer")
     delivery_limit: int = Field(20, ge=2, description="x-delivery-limit of shard queues")
@@ -79,6 +86,12 @@ class Settings(BaseSettings):
         ge=1_048_576,
         description="what one transition may send or write in all (a bag's item tasks, a bag's results): it "
         "travels to Redis as one call",
+    )
+    serial_lease_ms: int = Field(
+        15_000,
+        ge=1_000,
+        description="how long the serial lane stays held by a worker that stopped renewing it (crashed, or "
+        "lost Redis); renewed every third of it while a serial handler runs",
     )
     retention_ms: int = Field(7 * 86_400_000, ge=1000, description="how long finished runs are kept")
     crash_points: Annotated[tuple[str, ...], NoDecode] = Field(
@@ -108,6 +121,16 @@ class Settings(BaseSettings):
         if not value:
             raise ValueError("must name at least one entry (comma-separated)")
         return value
+
+    @model_validator(mode="after")
+    def _key_prefix_defaults_to_namespace(self) -> Settings:
+        if not self.key_prefix:
+            self.key_prefix = self.namespace
+        return self
+
+    def names(self) -> Names:
+        """The broker names of this environment."""
+        return Names(self.namespace)
 
     def limits(self) -> Limits:
         """The message limits every process applies alike."""

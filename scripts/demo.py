@@ -5,7 +5,7 @@ orchestrator and a worker pool as real processes, starts one model-ingest run (t
 down a little so you can watch), shows each stage as it moves, then prints the run's output and history.
 Every step is also a `saga` command you can run by hand; they are listed at the end.
 
-Settings come from SAGA_* variables (defaults: RabbitMQ and Redis on 127.0.0.1, key prefix `sagademo`).
+Settings come from SAGA_* variables (defaults: RabbitMQ and Redis on 127.0.0.1, namespace `demo`).
 """
 
 from __future__ import annotations
@@ -143,7 +143,7 @@ async def run_one(settings: Settings) -> dict[str, Any]:
 
 
 def main() -> None:
-    os.environ.setdefault("SAGA_KEY_PREFIX", "sagademo")
+    os.environ.setdefault("SAGA_NAMESPACE", "demo")  # its own queues and keys: never meets another setup
     settings = Settings()
     registry = Registry.from_modules(settings.contracts)
     check_services(settings)
@@ -165,7 +165,7 @@ def main() -> None:
     run_id = status["run_id"]
     print(f"""
 What to try next:
-  export SAGA_KEY_PREFIX={settings.key_prefix}       # the demo's keys
+  export SAGA_NAMESPACE={settings.namespace}       # the demo's environment (queues and keys)
   .venv/bin/saga history {run_id}        # every durable step of this run
   .venv/bin/saga status {run_id} --json
   .venv/bin/saga graph definitions/model-ingest.yaml   # paste into https://mermaid.live

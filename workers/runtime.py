@@ -13,6 +13,13 @@ with a heartbeat timeout, a heartbeat every third of it while the handler runs. 
 arrive on ``saga.events`` (``cancel.<run>``, a private queue per worker process): the handler's asyncio
 task is cancelled (an async handler sees ``CancelledError`` at its next await; a thread-pool handler
 should poll ``context.cancelled``) and the result says it was cancelled.
+
+Where tasks come from: one queue per task queue and contract version (``orchestrator/bus/names.py``), so
+this process consumes only the contracts it has handlers for, and a task never lands on a worker that
+cannot run it. At most ``concurrency`` handlers run at once, counted until a handler has really returned
+(a cancelled thread-pool handler still holds its thread). Tasks of ``tasks.serial`` come on a channel of
+their own, one at a time per contract queue, and each waits for the serial lane (``serial_lane.py``)
+before its handler starts.
 """
 
 from __future__ import annotations
@@ -29,16 +36,19 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import aiormq
 from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractRobustConnection
 from pydantic import BaseModel, ValidationError
 
 from orchestrator import faults
-from orchestrator.bus import names
 from orchestrator.bus.envelope import Envelope, EnvelopeRejected, Kind, Signer, decode, signed_message
+from orchestrator.bus.names import SERIAL_TASKS, Names
 from orchestrator.bus.publisher import Publisher
+from orchestrator.bus.topology import TaskQueueLayout, declare_task_queue
 from orchestrator.engine import ids, sizes
 from workers.acks import AckCoalescer
 from workers.sdk import Handler, PermanentFailure
+from workers.serial_lane import Lease, SerialLane
 
 log = logging.getLogger(__name__)
 
@@ -68,37 +78,67 @@ AttemptKey = tuple[str, str, str]  # (run id, stage, fence): one attempt, as a c
 Running = tuple["asyncio.Future[Any]", TaskContext]
 
 
+class MissingTopology(Exception):
+    """The broker lacks what ``saga topology apply`` creates (the namespace's exchanges)."""
+
+
 @dataclass
 class WorkerRuntime:
     connection: AbstractRobustConnection
     handlers: dict[str, Handler]
-    queues: list[str]
+    serving: list[tuple[str, str]]  # (task queue, contract ref) pairs: see topology.serving_queues
     signer: Signer
+    names: Names = field(default_factory=Names)
+    lane: SerialLane | None = None  # needed when serving tasks.serial
     concurrency: int = 8
+    delivery_limit: int = 20
     max_message_bytes: int = 1_048_576
     crash_points: frozenset[str] = frozenset()  # tests only: orchestrator/faults.py
     clock_ms: Callable[[], int] = field(default=lambda: int(time.time() * 1000))
     _stopping: asyncio.Event = field(default_factory=asyncio.Event)
     _inflight: set[asyncio.Task[None]] = field(default_factory=set)
-    _acks: AckCoalescer = field(default_factory=AckCoalescer)
+    _releasing: set[asyncio.Task[None]] = field(default_factory=set)
     _running: dict[AttemptKey, dict[str, Running]] = field(default_factory=dict)
+    _waiting: dict[AttemptKey, asyncio.Event] = field(default_factory=dict)
+    _slots: asyncio.Semaphore | None = None
+    _coalescers: dict[int, AckCoalescer] = field(default_factory=dict)  # per channel: tags count per channel
 
     def stop(self) -> None:
         self._stopping.set()
+        for waiting in self._waiting.values():
+            waiting.set()
 
     async def run(self) -> None:
-        pool = ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix="saga-handler")
+        if any(queue == SERIAL_TASKS for queue, _ in self.serving) and self.lane is None:
+            raise ValueError("a worker serving tasks.serial needs the serial lane (Redis)")
+        self._slots = asyncio.Semaphore(self.concurrency)
+        # one thread more than the slots: a serial handler holds the lane, not a slot
+        pool = ThreadPoolExecutor(max_workers=self.concurrency + 1, thread_name_prefix="saga-handler")
         channel = await self.connection.channel(publisher_confirms=True, on_return_raises=True)
+        # prefetch is per consumer: the slots bound what runs at once across every queue
         await channel.set_qos(prefetch_count=self.concurrency)
-        publisher = Publisher(channel, self.signer)
+        serial_channel = await self.connection.channel()
+        await serial_channel.set_qos(prefetch_count=1)  # a waiting serial task is one nobody else can take
+        publisher = Publisher(channel, self.signer, self.names, self.delivery_limit)
         consumers = []
-        for name in self.queues:
-            # Declared (passively), so that the robust channel re-subscribes it after a reconnect
-            queue = await channel.declare_queue(name, passive=True)
-            tag = await queue.consume(lambda m: self._spawn(m, publisher, pool), no_ack=False)
-            consumers.append((queue, tag))
-        consumers.append(await self._listen_for_cancellations(channel))
-        log.info("worker consuming %s with concurrency %d", ", ".join(self.queues), self.concurrency)
+        try:
+            for queue_name, contract in self.serving:
+                serial = queue_name == SERIAL_TASKS
+                consumers.append(
+                    await self._consume(
+                        serial_channel if serial else channel, queue_name, contract, publisher, pool, serial
+                    )
+                )
+            consumers.append(await self._listen_for_cancellations(channel))
+        except aiormq.exceptions.ChannelNotFoundEntity as exc:
+            raise MissingTopology(
+                f"the broker has no {self.names.tasks_exchange} / {self.names.dead_letter_exchange} "
+                f"exchanges for namespace {self.names.namespace!r} ({exc.args[0] if exc.args else exc}): "
+                "run 'saga topology apply' with the same SAGA_AMQP_URL and SAGA_NAMESPACE first"
+            ) from exc
+        log.info(
+            "worker consuming %d contract queue(s) with concurrency %d", len(self.serving), self.concurrency
+        )
         try:
             await self._stopping.wait()
         finally:
@@ -107,14 +147,37 @@ class WorkerRuntime:
                     await queue.cancel(tag)
             if self._inflight:
                 await asyncio.gather(*self._inflight, return_exceptions=True)  # drain: finish what we hold
-            await self._acks.flush()
+            for acks in self._coalescers.values():
+                await acks.flush()
+            await asyncio.get_running_loop().run_in_executor(None, pool.shutdown)  # every thread returned
+            if self._releasing:
+                await asyncio.gather(*self._releasing, return_exceptions=True)
+            await self._close(serial_channel)
             await self._close(channel)
-            pool.shutdown(wait=True)
+
+    async def _consume(
+        self,
+        channel: AbstractChannel,
+        queue_name: str,
+        contract: str,
+        publisher: Publisher,
+        pool: ThreadPoolExecutor,
+        serial: bool,
+    ) -> tuple[Any, str]:
+        layout = TaskQueueLayout.of(self.names, queue_name, contract, self.delivery_limit)
+        await declare_task_queue(channel, layout)
+        # declared, not just named: the robust channel re-subscribes it after a reconnect
+        queue = await channel.declare_queue(layout.queue.name, passive=True)
+        acks = self._coalescers.setdefault(id(channel), AckCoalescer())
+        tag = await queue.consume(
+            lambda m: self._spawn(m, publisher, pool, acks, serial=serial), no_ack=False
+        )
+        return queue, tag
 
     async def _listen_for_cancellations(self, channel: AbstractChannel) -> tuple[Any, str]:
         """A private queue (gone with this process) bound to every cancellation request."""
         queue = await channel.declare_queue("", exclusive=True, auto_delete=True)
-        await queue.bind(names.EVENTS_EXCHANGE, routing_key="cancel.#")
+        await queue.bind(self.names.events_exchange, routing_key="cancel.#")
         tag = await queue.consume(self._on_cancel, no_ack=True)
         return queue, tag
 
@@ -137,44 +200,65 @@ class WorkerRuntime:
         for future, context in running:
             context.cancelled.set()
             future.cancel()
+        waiting = self._waiting.get(key)
+        if waiting is not None:  # not started yet: it never will
+            waiting.set()
 
     async def _close(self, channel: AbstractChannel) -> None:
         with contextlib.suppress(Exception):
             await channel.close()
 
     async def _spawn(
-        self, message: AbstractIncomingMessage, publisher: Publisher, pool: ThreadPoolExecutor
+        self,
+        message: AbstractIncomingMessage,
+        publisher: Publisher,
+        pool: ThreadPoolExecutor,
+        acks: AckCoalescer,
+        *,
+        serial: bool,
     ) -> None:
-        self._acks.delivered(message)
-        task = asyncio.create_task(self._handle(message, publisher, pool))
+        acks.delivered(message)
+        task = asyncio.create_task(self._handle(message, publisher, pool, acks, serial))
         self._inflight.add(task)
         task.add_done_callback(self._inflight.discard)
 
     async def _handle(
-        self, message: AbstractIncomingMessage, publisher: Publisher, pool: ThreadPoolExecutor
+        self,
+        message: AbstractIncomingMessage,
+        publisher: Publisher,
+        pool: ThreadPoolExecutor,
+        acks: AckCoalescer,
+        serial: bool,
     ) -> None:
         try:
             envelope = decode(message.body, self.signer, self.max_message_bytes)
+            if envelope.contract not in self.handlers:
+                # only a copy put on the wrong contract queue by hand can get here (routing is by contract)
+                raise EnvelopeRejected(
+                    "misrouted",
+                    f"a task for {envelope.contract!r} on {message.routing_key}, whose worker has no handler "
+                    "for it: tasks reach only the queue of their own contract version",
+                )
         except EnvelopeRejected as exc:
             source = message.routing_key or ""  # task queues are bound under their own names
             await publisher.reject(message.body, exc.reason, exc.detail, source, message.message_id)
-            self._acks.settled(message)
+            acks.settled(message)
             return
-        report = envelope.body.get("report") or {}
-        if report.get("accept"):
-            accepted = ids.acceptance_id(envelope.run_id, envelope.stage or "", envelope.fence or "")
-            await self._report(publisher, envelope, Kind.ACCEPTED, accepted)
-        beating = self._heartbeats(publisher, envelope, report.get("heartbeat_ms"))
-        try:
-            outcome = await self._execute(envelope, pool)
-        finally:
-            if beating is not None:
-                beating.cancel()
+        turn = await self._wait_turn(envelope, serial)
+        if turn is None:  # the worker is stopping: the task goes back for another worker
+            await message.nack(requeue=True)
+            acks.settled(message, already_settled=True)
+            return
+        if turn.cancelled:
+            outcome = Outcome(False, "cancelled before it started: the orchestrator asked", cancelled=True)
+            turn.finished()
+        else:
+            outcome = await self._run(publisher, envelope, pool, turn)
         result = self._result(envelope, outcome)
         faults.crash(self.crash_points, "worker-after-effect")
         try:
             await publisher.publish_bytes(
-                result, ids.result_id(envelope.message_id), names.RUNS_EXCHANGE, envelope.shard
+                result, ids.result_id(envelope.message_id), self.names.runs_exchange, envelope.shard
             )
         except Exception:
             log.exception(
@@ -183,9 +267,54 @@ class WorkerRuntime:
                 envelope.run_id,
             )
             await message.nack(requeue=True)
-            self._acks.settled(message, already_settled=True)
+            acks.settled(message, already_settled=True)
             return
-        self._acks.settled(message)  # the result is confirmed: the task may be acked
+        acks.settled(message)  # the result is confirmed: the task may be acked
+
+    async def _wait_turn(self, envelope: Envelope, serial: bool) -> Turn | None:
+        """Wait until this task may start: a free slot, and for a serial task the serial lane too. None
+        when the worker stops first; a turn marked ``cancelled`` when the attempt was cancelled first."""
+        key = (envelope.run_id, envelope.stage or "", envelope.fence or "")
+        give_up = self._waiting.setdefault(key, asyncio.Event())
+        try:
+            lease: Lease | None = None
+            if serial:
+                assert self.lane is not None  # run() checks it
+                lease = await self.lane.take(
+                    {
+                        "run_id": envelope.run_id,
+                        "stage": envelope.stage,
+                        "fence": envelope.fence,
+                        "contract": envelope.contract,
+                    },
+                    give_up,
+                )
+                if lease is None:
+                    return None if self._stopping.is_set() else Turn(self, None, False, cancelled=True)
+                return Turn(self, lease, False)
+            assert self._slots is not None
+            await self._slots.acquire()
+            if self._stopping.is_set():
+                self._slots.release()
+                return None
+            return Turn(self, None, True, cancelled=give_up.is_set())
+        finally:
+            if self._waiting.get(key) is give_up:
+                del self._waiting[key]
+
+    async def _run(
+        self, publisher: Publisher, envelope: Envelope, pool: ThreadPoolExecutor, turn: Turn
+    ) -> Outcome:
+        report = envelope.body.get("report") or {}
+        if report.get("accept"):
+            accepted = ids.acceptance_id(envelope.run_id, envelope.stage or "", envelope.fence or "")
+            await self._report(publisher, envelope, Kind.ACCEPTED, accepted)
+        beating = self._heartbeats(publisher, envelope, report.get("heartbeat_ms"))
+        try:
+            return await self._execute(envelope, pool, turn)
+        finally:
+            if beating is not None:
+                beating.cancel()
 
     def _heartbeats(
         self, publisher: Publisher, envelope: Envelope, every_ms: Any
@@ -207,15 +336,16 @@ class WorkerRuntime:
         what = kind.value
         body = self._reply(task, kind, message_id, {})
         try:
-            await publisher.publish_bytes(body, message_id, names.RUNS_EXCHANGE, task.shard)
+            await publisher.publish_bytes(body, message_id, self.names.runs_exchange, task.shard)
         except Exception as exc:
             log.warning("could not report %s of %s (run %s): %s", what, task.stage, task.run_id, exc)
 
-    async def _execute(self, envelope: Envelope, pool: ThreadPoolExecutor) -> Outcome:
+    async def _execute(self, envelope: Envelope, pool: ThreadPoolExecutor, turn: Turn) -> Outcome:
+        """Run the task's handler; ``turn`` is given back once the handler has returned, which for a
+        cancelled thread-pool handler may be after this returns the cancelled outcome."""
+        started = False
         try:
-            handler = self.handlers.get(envelope.contract or "")
-            if handler is None:
-                raise TaskFailed(f"this worker has no handler for {envelope.contract!r}")
+            handler = self.handlers[envelope.contract or ""]  # _handle refused any other contract
             try:
                 payload = handler.input_model.model_validate(envelope.body.get("input"))
             except ValidationError as exc:
@@ -231,7 +361,8 @@ class WorkerRuntime:
                 envelope.contract or "",
                 str(envelope.body.get("idempotency_key", envelope.message_id)),
             )
-            output = await self._run_cancellable(envelope, handler, payload, context, pool)
+            started = True
+            output = await self._run_cancellable(envelope, handler, payload, context, pool, turn)
             try:
                 return Outcome(True, _validated_output(handler, output))
             except ValidationError as exc:  # the handler broke its contract: no retry will mend it
@@ -242,6 +373,9 @@ class WorkerRuntime:
             log.info("task %s of run %s failed: %s", envelope.stage, envelope.run_id, exc)
             retryable = not isinstance(exc, PermanentFailure)
             return Outcome(False, f"{type(exc).__name__}: {exc}", retryable=retryable)
+        finally:
+            if not started:
+                turn.finished()
 
     async def _run_cancellable(
         self,
@@ -250,10 +384,11 @@ class WorkerRuntime:
         payload: BaseModel,
         context: TaskContext,
         pool: ThreadPoolExecutor,
+        turn: Turn,
     ) -> Any:
         """Run the handler as its own task, so a cancellation request can stop it (and only it)."""
         key = (envelope.run_id, context.stage, context.fence)
-        future = asyncio.ensure_future(_call(handler, payload, context, pool))
+        future = _start(handler, payload, context, pool, turn.finished)
         running = self._running.setdefault(key, {})
         running[envelope.message_id] = (future, context)  # a task's id tells a map's items apart
         try:
@@ -321,12 +456,48 @@ class _Cancelled(Exception):
     """The handler was stopped because the orchestrator asked (not because the worker is stopping)."""
 
 
-async def _call(handler: Handler, payload: BaseModel, context: TaskContext, pool: ThreadPoolExecutor) -> Any:
+def _start(
+    handler: Handler,
+    payload: BaseModel,
+    context: TaskContext,
+    pool: ThreadPoolExecutor,
+    returned: Callable[[], None],
+) -> asyncio.Future[Any]:
+    """Start the handler; its result comes in the future returned. ``returned`` is called once the
+    handler's code has stopped running: for a thread, when the thread is done with it, however long after
+    a cancellation of the future that is (a thread cannot be stopped, only asked to)."""
     wants_context = len(inspect.signature(handler.function).parameters) >= 2
     args = (payload, context) if wants_context else (payload,)
+    loop = asyncio.get_running_loop()
     if handler.is_async:
-        return await handler.function(*args)
-    return await asyncio.get_running_loop().run_in_executor(pool, lambda: handler.function(*args))
+        task: asyncio.Future[Any] = asyncio.ensure_future(handler.function(*args))
+        task.add_done_callback(lambda _: returned())
+        return task
+    work = pool.submit(handler.function, *args)
+    work.add_done_callback(lambda _: loop.call_soon_threadsafe(returned))
+    return asyncio.wrap_future(work, loop=loop)
+
+
+@dataclass
+class Turn:
+    """A task's permission to run: a concurrency slot, or the serial lane. Given back exactly once."""
+
+    runtime: WorkerRuntime
+    lease: Lease | None
+    slot: bool
+    cancelled: bool = False
+    _done: bool = False
+
+    def finished(self) -> None:
+        if self._done:
+            return
+        self._done = True
+        if self.slot and self.runtime._slots is not None:
+            self.runtime._slots.release()
+        if self.lease is not None:
+            releasing = asyncio.ensure_future(self.lease.release())
+            self.runtime._releasing.add(releasing)
+            releasing.add_done_callback(self.runtime._releasing.discard)
 
 
 def _validated_output(handler: Handler, output: Any) -> Any:

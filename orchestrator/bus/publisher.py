@@ -18,8 +18,9 @@ from aio_pika.abc import AbstractChannel, AbstractExchange
 from pamqp import commands as spec
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential
 
-from orchestrator.bus import names
 from orchestrator.bus.envelope import Envelope, Signer, encode, signed_message
+from orchestrator.bus.names import Names
+from orchestrator.bus.topology import TaskQueueLayout, declare_task_queue
 from orchestrator.engine.model import Outgoing
 
 log = logging.getLogger(__name__)
@@ -86,12 +87,21 @@ def _properties(message_id: str) -> spec.Basic.Properties:
 
 
 class Publisher:
-    """Publishes envelopes on one confirm-mode channel; returns the ids the broker confirmed."""
+    """Publishes envelopes on one confirm-mode channel; returns the ids the broker confirmed.
 
-    def __init__(self, channel: AbstractChannel, signer: Signer) -> None:
+    A task goes to the queue of its task queue *and* contract version (``Names.task_queue``), which this
+    publisher declares the first time it sends there: a task for a contract that no worker has served yet
+    then waits for one instead of coming back unroutable."""
+
+    def __init__(
+        self, channel: AbstractChannel, signer: Signer, names: Names, delivery_limit: int = 20
+    ) -> None:
         self.channel = channel
         self.signer = signer
+        self.names = names
+        self.delivery_limit = delivery_limit
         self._exchanges: dict[str, AbstractExchange] = {}
+        self._declared: dict[str, asyncio.Future[None]] = {}
 
     async def _exchange(self, name: str) -> AbstractExchange:
         if name not in self._exchanges:
@@ -118,18 +128,53 @@ class Publisher:
 
     async def _publish(self, message: Outgoing, now_ms: int) -> None:
         kind, target = message.route
-        exchange, routing_key, mandatory = {
-            "task": (names.TASKS_EXCHANGE, target, True),
-            "shard": (names.RUNS_EXCHANGE, target, True),
-            "events": (names.EVENTS_EXCHANGE, target, False),  # nobody listening is fine
+        if kind == "task":
+            await self._publish_task(message, target, now_ms)
+            return
+        exchange, mandatory = {
+            "shard": (self.names.runs_exchange, True),
+            "events": (self.names.events_exchange, False),  # nobody listening is fine
         }[kind]
         await self.publish_bytes(
             message_bytes(message, self.signer, now_ms),
             message.message_id,
             exchange,
-            routing_key,
+            target,
             mandatory=mandatory,
         )
+
+    async def _publish_task(self, message: Outgoing, queue: str, now_ms: int) -> None:
+        name = self.names.task_queue(queue, str(message.body.get("contract", "")))
+        await self._declare_once(name, queue, str(message.body.get("contract", "")))
+        try:
+            await self.publish_bytes(
+                message_bytes(message, self.signer, now_ms),
+                message.message_id,
+                self.names.tasks_exchange,
+                name,
+            )
+        except aiormq.exceptions.PublishError:
+            self._declared.pop(name, None)  # deleted behind our back: declare it again on the next try
+            raise
+
+    async def _declare_once(self, name: str, queue: str, contract: str) -> None:
+        """Declare a contract queue the first time this process sends to it; concurrent sends wait for the
+        one declaration, and a failed one is tried again by the next send."""
+        declared = self._declared.get(name)
+        if declared is None:
+            declared = asyncio.get_running_loop().create_future()
+            self._declared[name] = declared
+            layout = TaskQueueLayout.of(self.names, queue, contract, self.delivery_limit)
+            try:
+                await declare_task_queue(self.channel, layout)
+            except BaseException as exc:
+                self._declared.pop(name, None)
+                declared.set_exception(exc)
+                declared.exception()  # retrieved: the waiters, if any, re-raise it themselves
+                raise
+            declared.set_result(None)
+            return
+        await declared
 
     async def publish_envelope(
         self, envelope: Envelope, exchange: str, routing_key: str, *, mandatory: bool = True
@@ -182,8 +227,8 @@ class Publisher:
     async def reject(
         self, raw: bytes, reason: str, detail: str, source: str, message_id: str | None = None
     ) -> None:
-        """Park a refused message on saga.rejected with its reason (the broker's own dead-lettering
-        could only say 'rejected'), under its own AMQP message id so it can be found by it."""
+        """Park a refused message on the namespace's rejected queue with its reason (the broker's own
+        dead-lettering could only say 'rejected'), under its own AMQP message id so it can be found by it."""
         default = self.channel.default_exchange
         await default.publish(
             aio_pika.Message(
@@ -192,6 +237,6 @@ class Publisher:
                 headers={"x-saga-reason": reason, "x-saga-detail": detail[:1000], "x-saga-source": source},
                 delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
             ),
-            routing_key=names.REJECTED_QUEUE,
+            routing_key=self.names.rejected_queue,
             mandatory=True,
         )

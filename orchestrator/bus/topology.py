@@ -18,27 +18,13 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
-from orchestrator.bus.names import (
-    ACTION_TASKS,
-    BUILTIN_TASK_QUEUES,
-    DEAD_LETTER_EXCHANGE,
-    EVENTS_EXCHANGE,
-    PARALLEL_TASKS,
-    REJECTED_QUEUE,
-    RUNS_EXCHANGE,
-    SERIAL_TASKS,
-    TASKS_EXCHANGE,
-    dead_letter_queue,
-    shard_id,
-    shard_queue,
-    start_exchange,
-)
+from orchestrator.bus.names import BUILTIN_TASK_QUEUES, Names, dead_letter_queue, shard_id
 
 if TYPE_CHECKING:
     import aio_pika.abc
     from pamqp.common import FieldTable
 
-    from orchestrator.contracts import Registry
+    from orchestrator.contracts import Contract, Registry
     from orchestrator.settings import Settings
 
 ArgumentValue = str | int | bool
@@ -113,8 +99,10 @@ class Topology:
 # ---- the pure function -----------------------------------------------------------------------------------
 
 
-def _dead_lettered(queue: str, extra: Mapping[str, ArgumentValue] | None = None) -> Queue:
-    """A quorum queue whose refused/expired/over-limit messages go to ``<queue>.dlq`` through saga.dlx.
+def _dead_lettered(
+    queue: str, dead_letters: str, names: Names, extra: Mapping[str, ArgumentValue] | None = None
+) -> Queue:
+    """A quorum queue whose refused/expired/over-limit messages go to ``dead_letters`` through the dlx.
 
     at-least-once dead-lettering needs ``x-overflow: reject-publish`` (RabbitMQ falls back to at-most-once
     otherwise) and, on 3.10, the ``stream_queue`` feature flag."""
@@ -124,8 +112,8 @@ def _dead_lettered(queue: str, extra: Mapping[str, ArgumentValue] | None = None)
             {
                 "x-queue-type": "quorum",
                 **(extra or {}),
-                "x-dead-letter-exchange": DEAD_LETTER_EXCHANGE,
-                "x-dead-letter-routing-key": dead_letter_queue(queue),
+                "x-dead-letter-exchange": names.dead_letter_exchange,
+                "x-dead-letter-routing-key": dead_letters,
                 "x-dead-letter-strategy": "at-least-once",
                 "x-overflow": "reject-publish",
             }
@@ -146,7 +134,7 @@ def _check_task_queue(name: str) -> None:
 
 
 def _check_settings(
-    shard_classes: tuple[str, ...], shard_count: int, delivery_limit: int, extra: list[str]
+    shard_classes: tuple[str, ...], shard_count: int, delivery_limit: int, queues: Iterable[str]
 ) -> None:
     if not shard_classes:
         raise ValueError("at least one shard class is needed")
@@ -156,69 +144,113 @@ def _check_settings(
         raise ValueError(f"shard count must be at least 1, got {shard_count}")
     if delivery_limit < 1:
         raise ValueError(f"delivery limit must be at least 1, got {delivery_limit}")
-    for name in extra:
+    for name in queues:
         _check_task_queue(name)
 
 
+@dataclass(frozen=True)
+class TaskQueueLayout:
+    """The broker objects behind task queue ``queue`` for one contract version: the contract queue, its
+    binding, and the dead-letter queue (with its binding) that every contract queue of ``queue`` shares.
+
+    Declared alike by ``saga topology apply``, by the orchestrator before it first sends a task there (so a
+    task for a contract no worker has served yet waits in its queue instead of being unroutable) and by
+    every worker that serves the contract. No ``x-single-active-consumer`` on the serial queue's contract
+    queues: workers of different contracts consume them side by side, and one Redis lease held while a
+    handler runs keeps serial tasks one at a time (``workers/serial_lane.py``)."""
+
+    queue: Queue
+    binding: Binding
+    dead_letters: Queue
+    dead_letter_binding: Binding
+
+    @classmethod
+    def of(cls, names: Names, queue: str, contract: str, delivery_limit: int) -> TaskQueueLayout:
+        name = names.task_queue(queue, contract)
+        dlq = names.task_dead_letters(queue)
+        return cls(
+            # a poison task (one that kills its worker every time) reaches the DLQ after the delivery limit
+            _dead_lettered(name, dlq, names, {"x-delivery-limit": delivery_limit}),
+            Binding(names.tasks_exchange, name, name),
+            _plain(dlq),
+            Binding(names.dead_letter_exchange, dlq, dlq),
+        )
+
+
 def build_topology(
-    shard_classes: tuple[str, ...], shard_count: int, task_queues: Iterable[str], delivery_limit: int
+    names: Names,
+    shard_classes: tuple[str, ...],
+    shard_count: int,
+    task_queues: Iterable[tuple[str, str]],
+    delivery_limit: int,
 ) -> Topology:
-    """Every exchange, queue and binding the orchestrator and its workers use. Pure and deterministic.
+    """Every exchange and queue the orchestrator uses, and the contract queues of ``task_queues`` (pairs of
+    task queue and contract ``name@version``). Pure and deterministic.
 
     Raises ValueError for settings no broker layout can satisfy (no classes, duplicate classes, a shard count
-    or delivery limit below 1, a contract queue with an orchestrator-reserved name)."""
-    extra = sorted(set(task_queues) - set(BUILTIN_TASK_QUEUES))
-    _check_settings(shard_classes, shard_count, delivery_limit, extra)
+    or delivery limit below 1, a task queue with an orchestrator-reserved name)."""
+    pairs = sorted(set(task_queues))
+    _check_settings(shard_classes, shard_count, delivery_limit, {queue for queue, _ in pairs})
 
     exchanges: list[Exchange] = [
-        Exchange(RUNS_EXCHANGE, DIRECT),
-        Exchange(TASKS_EXCHANGE, DIRECT),
-        Exchange(EVENTS_EXCHANGE, TOPIC),
-        Exchange(DEAD_LETTER_EXCHANGE, DIRECT),
+        Exchange(names.runs_exchange, DIRECT),
+        Exchange(names.tasks_exchange, DIRECT),
+        Exchange(names.events_exchange, TOPIC),
+        Exchange(names.dead_letter_exchange, DIRECT),
     ]
     queues: list[Queue] = []
     bindings: list[Binding] = []
-    dead_lettered: list[str] = []
 
     for shard_class in shard_classes:
-        exchange = start_exchange(shard_class)
+        exchange = names.start_exchange(shard_class)
         exchanges.append(Exchange(exchange, CONSISTENT_HASH))
         for number in range(shard_count):
             shard = shard_id(shard_class, number)
-            name = shard_queue(shard)
+            name = names.shard_queue(shard)
+            dlq = dead_letter_queue(name)
             queues.append(
-                _dead_lettered(name, {"x-single-active-consumer": True, "x-delivery-limit": delivery_limit})
+                _dead_lettered(
+                    name, dlq, names, {"x-single-active-consumer": True, "x-delivery-limit": delivery_limit}
+                )
             )
             bindings.append(Binding(exchange, name, HASH_WEIGHT))
-            bindings.append(Binding(RUNS_EXCHANGE, name, shard))
-            dead_lettered.append(name)
+            bindings.append(Binding(names.runs_exchange, name, shard))
+            queues.append(_plain(dlq))
+            bindings.append(Binding(names.dead_letter_exchange, dlq, dlq))
 
-    for name in (SERIAL_TASKS, PARALLEL_TASKS, ACTION_TASKS, *extra):
-        # a poison task (one that kills its worker every time) reaches the DLQ after the delivery limit
-        arguments: dict[str, ArgumentValue] = {"x-delivery-limit": delivery_limit}
-        if name == SERIAL_TASKS:
-            arguments["x-single-active-consumer"] = True
-        queues.append(_dead_lettered(name, arguments))
-        bindings.append(Binding(TASKS_EXCHANGE, name, name))
-        dead_lettered.append(name)
+    dead_letter_queues: dict[str, tuple[Queue, Binding]] = {}
+    for queue, contract in pairs:
+        layout = TaskQueueLayout.of(names, queue, contract, delivery_limit)
+        queues.append(layout.queue)
+        bindings.append(layout.binding)
+        dead_letter_queues[layout.dead_letters.name] = (layout.dead_letters, layout.dead_letter_binding)
+    for dead_letters, binding in dead_letter_queues.values():
+        queues.append(dead_letters)
+        bindings.append(binding)
 
-    queues.append(_plain(REJECTED_QUEUE))
-    for name in dead_lettered:
-        dlq = dead_letter_queue(name)
-        queues.append(_plain(dlq))
-        bindings.append(Binding(DEAD_LETTER_EXCHANGE, dlq, dlq))
-
+    queues.append(_plain(names.rejected_queue))
     return Topology(tuple(exchanges), tuple(queues), tuple(bindings))
 
 
-def task_queues_of(registry: Registry) -> list[str]:
-    """The queues the registry's contracts name by default (built-in ones included)."""
-    return sorted({contract.queue for contract in registry.contracts()})
+def serving_queues(contracts: Iterable[Contract], queues: Iterable[str] = ()) -> list[tuple[str, str]]:
+    """The (task queue, contract) pairs served for ``contracts``: each contract on the task queues named,
+    or, when none are, on its own default queue and on every built-in one (a stage may send any contract
+    to a built-in queue)."""
+    chosen = tuple(queues)
+    pairs = set()
+    for contract in contracts:
+        for queue in chosen or (contract.queue, *BUILTIN_TASK_QUEUES):
+            pairs.add((queue, contract.ref))
+    return sorted(pairs)
 
 
 def topology_for(settings: Settings, registry: Registry) -> Topology:
     return build_topology(
-        settings.shard_classes, settings.shard_count, task_queues_of(registry), settings.delivery_limit
+        settings.names(),
+        settings.shard_classes,
+        settings.shard_count,
+        serving_queues(registry.contracts()),
+        settings.delivery_limit,
     )
 
 
@@ -316,16 +348,31 @@ async def apply_topology(channel: aio_pika.abc.AbstractChannel, topology: Topolo
         )
 
 
+async def declare_task_queue(channel: aio_pika.abc.AbstractChannel, layout: TaskQueueLayout) -> None:
+    """Declare one contract queue, its dead-letter queue and their bindings (idempotent). The exchanges
+    must exist: ``saga topology apply`` makes them, and aiormq's ``ChannelNotFoundEntity`` says they don't."""
+    dlq = await channel.declare_queue(
+        layout.dead_letters.name, durable=True, arguments=_table(layout.dead_letters.arguments)
+    )
+    await dlq.bind(layout.dead_letter_binding.source, layout.dead_letter_binding.routing_key)
+    queue = await channel.declare_queue(
+        layout.queue.name, durable=True, arguments=_table(layout.queue.arguments)
+    )
+    await queue.bind(layout.binding.source, layout.binding.routing_key)
+
+
 __all__ = [
     "CONSISTENT_HASH",
     "HASH_WEIGHT",
     "Binding",
     "Exchange",
     "Queue",
+    "TaskQueueLayout",
     "Topology",
     "apply_topology",
     "build_topology",
-    "task_queues_of",
+    "declare_task_queue",
+    "serving_queues",
     "to_definitions",
     "topology_for",
 ]

@@ -28,8 +28,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from orchestrator import faults
-from orchestrator.bus import names
 from orchestrator.bus.envelope import Envelope, EnvelopeRejected, Signer, decode
+from orchestrator.bus.names import Names
 from orchestrator.bus.publisher import Publisher, envelope_for
 from orchestrator.engine.model import Outgoing
 from orchestrator.engine.sizes import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_MAX_TRANSITION_BYTES, Limits
@@ -48,6 +48,8 @@ def now_ms() -> int:
 
 @dataclass
 class ShardOptions:
+    names: Names = field(default_factory=Names)
+    delivery_limit: int = 20  # of the task queues this process declares (the topology's setting)
     prefetch: int = 64
     batch_max: int = 64
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
@@ -144,11 +146,11 @@ class ShardService:
                         await channel.close()  # unacked deliveries return to the queue
 
     async def _consume(self, shard: str, channel: AbstractChannel) -> None:
-        publisher = Publisher(channel, self.signer)
+        publisher = Publisher(channel, self.signer, self.options.names, self.options.delivery_limit)
         # Declared (passively), not just named: the robust channel then re-subscribes this consumer when
         # it reopens after a reconnect (broker restart, missed heartbeats). A queue taken with
         # get_queue(ensure=False) is not tracked, and the shard would never consume again.
-        queue = await channel.declare_queue(names.shard_queue(shard), passive=True)
+        queue = await channel.declare_queue(self.options.names.shard_queue(shard), passive=True)
         inbox: asyncio.Queue[AbstractIncomingMessage] = asyncio.Queue()
         tag = await queue.consume(inbox.put, no_ack=False)
         await self._relay(shard, publisher)
@@ -279,7 +281,7 @@ class ShardService:
             if outcome is not None and outcome.forward_to and delivery.envelope is not None:
                 try:
                     await publisher.publish_envelope(
-                        delivery.envelope, names.RUNS_EXCHANGE, outcome.forward_to
+                        delivery.envelope, self.options.names.runs_exchange, outcome.forward_to
                     )
                     continue
                 except aiormq.exceptions.PublishError:
@@ -293,7 +295,7 @@ class ShardService:
                     delivery.message.body,
                     reason,
                     detail,
-                    names.shard_queue(shard),
+                    self.options.names.shard_queue(shard),
                     delivery.message.message_id,
                 )
 

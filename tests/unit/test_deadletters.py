@@ -7,7 +7,7 @@ from datetime import UTC, datetime
 
 import pytest
 
-from orchestrator.bus.names import REJECTED_QUEUE
+from orchestrator.bus.names import Names
 from orchestrator.bus.topology import build_topology
 from orchestrator.deadletters import (
     REPLAYED_FROM_HEADER,
@@ -25,6 +25,8 @@ from orchestrator.deadletters import (
     require_dead_letter_queue,
 )
 
+NAMES = Names()
+REJECTED_QUEUE = NAMES.rejected_queue
 ENVELOPE = json.dumps(
     {"kind": "task", "message_id": "task-1", "run_id": "run-1", "stage": "render", "body": {}}
 ).encode()
@@ -94,22 +96,25 @@ def test_describe_never_raises_and_always_finds_an_id(body: bytes) -> None:
 
 
 def test_only_dead_letter_queues_may_be_read() -> None:
-    assert is_dead_letter_queue("orch.fast.0.dlq") and is_dead_letter_queue(REJECTED_QUEUE)
-    assert require_dead_letter_queue("rendering.dlq") == "rendering.dlq"
-    for live in ("orch.fast.0", "tasks.parallel", "rendering"):
+    assert is_dead_letter_queue("saga.shard.fast.0.dlq") and is_dead_letter_queue(REJECTED_QUEUE)
+    assert require_dead_letter_queue("saga.task.rendering.dlq", NAMES) == "saga.task.rendering.dlq"
+    for live in ("saga.shard.fast.0", "saga.task.tasks.parallel:x@1", "rendering"):
         with pytest.raises(NotADeadLetterQueue, match=f"'{live}' is not a dead-letter queue"):
-            require_dead_letter_queue(live)
+            require_dead_letter_queue(live, NAMES)
+
+
+def test_another_namespace_s_dead_letters_are_not_this_one_s() -> None:
+    with pytest.raises(NotADeadLetterQueue, match="of namespace 'demo'"):
+        require_dead_letter_queue("saga.task.tasks.parallel.dlq", Names("demo"))
 
 
 def test_every_dead_letter_queue_of_the_topology_is_searched() -> None:
-    topology = build_topology(("fast",), 2, ["rendering"], 20)
-    assert dead_letter_queues(topology) == [
-        "orch.fast.0.dlq",
-        "orch.fast.1.dlq",
-        "tasks.serial.dlq",
-        "tasks.parallel.dlq",
-        "tasks.actions.dlq",
-        "rendering.dlq",
+    topology = build_topology(NAMES, ("fast",), 2, [("rendering", "r@1"), ("tasks.serial", "r@1")], 20)
+    assert dead_letter_queues(topology, NAMES) == [
+        "saga.shard.fast.0.dlq",
+        "saga.shard.fast.1.dlq",
+        "saga.task.rendering.dlq",
+        "saga.task.tasks.serial.dlq",
         REJECTED_QUEUE,
     ]
 

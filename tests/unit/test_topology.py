@@ -10,19 +10,13 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from orchestrator.bus.names import (
-    DEAD_LETTER_EXCHANGE,
-    EVENTS_EXCHANGE,
-    REJECTED_QUEUE,
-    RUNS_EXCHANGE,
-    TASKS_EXCHANGE,
-)
+from orchestrator.bus.names import Names
 from orchestrator.bus.topology import (
     Binding,
     Queue,
     Topology,
     build_topology,
-    task_queues_of,
+    serving_queues,
     to_definitions,
     topology_for,
 )
@@ -36,9 +30,13 @@ DEFINITIONS_FILE = ROOT / "rabbitmq" / "definitions.json"
 COMPOSE_USERS = [("saga", "saga-dev-password")]
 REGENERATE = "saga topology export --user saga:saga-dev-password --output rabbitmq/definitions.json"
 
+NAMES = Names()
+RUNS_EXCHANGE, TASKS_EXCHANGE = NAMES.runs_exchange, NAMES.tasks_exchange
+EVENTS_EXCHANGE, DEAD_LETTER_EXCHANGE = NAMES.events_exchange, NAMES.dead_letter_exchange
+REJECTED_QUEUE = NAMES.rejected_queue
 TASK_QUEUES = ["tasks.serial", "tasks.parallel", "tasks.actions"]
 NAMED_QUEUES = ["analysis", "metadata", "rendering"]  # declared by workers.demo contracts
-SHARDS = [f"orch.{c}.{n}" for c in ("fast", "slow") for n in range(4)]
+SHARDS = [f"saga.shard.{c}.{n}" for c in ("fast", "slow") for n in range(4)]
 
 
 @pytest.fixture(autouse=True)
@@ -51,7 +49,7 @@ def _default_settings(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture(scope="module")
 def topo(registry: Registry) -> Topology:
-    return build_topology(("fast", "slow"), 4, task_queues_of(registry), 20)
+    return build_topology(NAMES, ("fast", "slow"), 4, serving_queues(registry.contracts()), 20)
 
 
 def _names(queues: tuple[Queue, ...]) -> list[str]:
@@ -91,7 +89,7 @@ def test_shard_queue_arguments(topo: Topology, name: str) -> None:
 
 @pytest.mark.parametrize("name", SHARDS)
 def test_shard_queue_bindings(topo: Topology, name: str) -> None:
-    _, shard_class, number = name.split(".")
+    _, _, shard_class, number = name.split(".")
     assert set(topo.bindings_to(name)) == {
         Binding(f"saga.start.{shard_class}", name, "1"),  # consistent-hash weight
         Binding(RUNS_EXCHANGE, name, f"{shard_class}.{number}"),
@@ -99,9 +97,9 @@ def test_shard_queue_bindings(topo: Topology, name: str) -> None:
 
 
 def test_shard_count_and_delivery_limit_come_from_the_arguments() -> None:
-    topo = build_topology(("fast",), 12, [], 7)
-    shards = [q for q in topo.queues if q.name.startswith("orch.") and not q.name.endswith(".dlq")]
-    assert _names(tuple(shards)) == [f"orch.fast.{n}" for n in range(12)]
+    topo = build_topology(NAMES, ("fast",), 12, [], 7)
+    shards = [q for q in topo.queues if q.name.startswith("saga.shard.") and not q.name.endswith(".dlq")]
+    assert _names(tuple(shards)) == [f"saga.shard.fast.{n}" for n in range(12)]
     assert {q.arguments["x-delivery-limit"] for q in shards} == {7}
     assert "saga.start.slow" not in {e.name for e in topo.exchanges}
 
@@ -109,50 +107,61 @@ def test_shard_count_and_delivery_limit_come_from_the_arguments() -> None:
 # ---- task queues -------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", TASK_QUEUES + NAMED_QUEUES)
-def test_task_queue_arguments_and_binding(topo: Topology, name: str) -> None:
-    expected: dict[str, object] = {
-        "x-queue-type": "quorum",
-        "x-dead-letter-exchange": "saga.dlx",
-        "x-dead-letter-routing-key": f"{name}.dlq",
-        "x-dead-letter-strategy": "at-least-once",
-        "x-overflow": "reject-publish",
-        "x-delivery-limit": 20,  # a poison task reaches its DLQ instead of looping forever
-    }
-    if name == "tasks.serial":
-        expected["x-single-active-consumer"] = True
-    assert dict(topo.queue(name).arguments) == expected
-    assert topo.bindings_to(name) == [Binding(TASKS_EXCHANGE, name, name)]
+def _contract_queues(topo: Topology) -> list[str]:
+    return [b.destination for b in topo.bindings if b.source == TASKS_EXCHANGE]
 
 
-def test_single_active_consumer_only_on_tasks_serial_among_task_queues(topo: Topology) -> None:
-    task_queues = {b.destination for b in topo.bindings if b.source == TASKS_EXCHANGE}
-    assert task_queues == set(TASK_QUEUES + NAMED_QUEUES)
-    sac = {n for n in task_queues if topo.queue(n).arguments.get("x-single-active-consumer")}
-    assert sac == {"tasks.serial"}
+def test_contract_queue_arguments_and_binding(topo: Topology, registry: Registry) -> None:
+    for queue, contract in serving_queues(registry.contracts()):
+        name = f"saga.task.{queue}:{contract}"
+        assert dict(topo.queue(name).arguments) == {
+            "x-queue-type": "quorum",
+            "x-dead-letter-exchange": "saga.dlx",
+            "x-dead-letter-routing-key": f"saga.task.{queue}.dlq",  # shared by the queue's contracts
+            "x-dead-letter-strategy": "at-least-once",
+            "x-overflow": "reject-publish",
+            "x-delivery-limit": 20,  # a poison task reaches its DLQ instead of looping forever
+        }
+        assert topo.bindings_to(name) == [Binding(TASKS_EXCHANGE, name, name)]
+
+
+def test_no_single_active_consumer_on_task_queues(topo: Topology) -> None:
+    """tasks.serial is made serial by the serial lane: a single active consumer would hand every serial
+    task to one worker, whether it serves the contract or not."""
+    assert not any(topo.queue(n).arguments.get("x-single-active-consumer") for n in _contract_queues(topo))
+
+
+def test_a_contract_is_served_on_its_own_queue_and_every_builtin_one(registry: Registry) -> None:
+    render = next(c for c in registry.contracts() if c.queue == "rendering")
+    assert serving_queues([render]) == sorted((q, render.ref) for q in ["rendering", *TASK_QUEUES])
+    assert serving_queues([render], ["tasks.serial"]) == [("tasks.serial", render.ref)]
 
 
 def test_named_queues_from_contracts_are_present(registry: Registry, topo: Topology) -> None:
-    contract_queues = {c.queue for c in registry.contracts()}
-    assert set(NAMED_QUEUES) <= contract_queues
-    assert contract_queues <= set(_names(topo.queues))
+    assert {c.queue for c in registry.contracts()} >= set(NAMED_QUEUES)
+    for contract in registry.contracts():
+        assert f"saga.task.{contract.queue}:{contract.ref}" in _contract_queues(topo)
 
 
-def test_task_queues_are_deduplicated_and_sorted() -> None:
-    topo = build_topology(("fast",), 1, ["zeta", "alpha", "zeta", "tasks.serial", "tasks.actions"], 20)
-    task_queues = [b.destination for b in topo.bindings if b.source == TASKS_EXCHANGE]
-    assert task_queues == ["tasks.serial", "tasks.parallel", "tasks.actions", "alpha", "zeta"]
+def test_contract_queues_are_deduplicated_and_sorted() -> None:
+    pairs = [("zeta", "b@1"), ("alpha", "a@1"), ("zeta", "b@1"), ("tasks.serial", "a@1")]
+    topo = build_topology(NAMES, ("fast",), 1, pairs, 20)
+    assert _contract_queues(topo) == [
+        "saga.task.alpha:a@1",
+        "saga.task.tasks.serial:a@1",
+        "saga.task.zeta:b@1",
+    ]
 
 
-def test_builtin_task_queues_exist_without_any_contract() -> None:
-    topo = build_topology(("fast",), 1, [], 20)
-    assert [b.destination for b in topo.bindings if b.source == TASKS_EXCHANGE] == TASK_QUEUES
+def test_no_task_queue_without_a_contract() -> None:
+    topo = build_topology(NAMES, ("fast",), 1, [], 20)
+    assert _contract_queues(topo) == []
 
 
 @pytest.mark.parametrize("name", ["orch.fast.9", "saga.rejected", "saga.anything", "rendering.dlq", "amq.x"])
 def test_task_queues_with_reserved_names_are_refused(name: str) -> None:
     with pytest.raises(ValueError, match=f"task queue '{name}' uses a reserved name"):
-        build_topology(("fast",), 4, [name], 20)
+        build_topology(NAMES, ("fast",), 4, [(name, "x@1")], 20)
 
 
 @pytest.mark.parametrize(
@@ -168,7 +177,7 @@ def test_impossible_settings_are_refused(
     classes: tuple[str, ...], count: int, limit: int, message: str
 ) -> None:
     with pytest.raises(ValueError, match=message):
-        build_topology(classes, count, [], limit)
+        build_topology(NAMES, classes, count, [], limit)
 
 
 # ---- dead letters and saga.rejected ------------------------------------------------------------------------
@@ -177,13 +186,16 @@ def test_impossible_settings_are_refused(
 def test_every_queue_has_its_dead_letter_queue(topo: Topology) -> None:
     names = set(_names(topo.queues))
     primaries = {n for n in names if not n.endswith(".dlq") and n != REJECTED_QUEUE}
-    assert primaries == set(SHARDS + TASK_QUEUES + NAMED_QUEUES)
-    assert {n for n in names if n.endswith(".dlq")} == {f"{n}.dlq" for n in primaries}
     for name in primaries:
         args = topo.queue(name).arguments
         assert args["x-dead-letter-exchange"] == DEAD_LETTER_EXCHANGE
-        dlq = args["x-dead-letter-routing-key"]
-        assert topo.bindings_to(str(dlq)) == [Binding(DEAD_LETTER_EXCHANGE, f"{name}.dlq", f"{name}.dlq")]
+        dlq = str(args["x-dead-letter-routing-key"])
+        assert dlq in names
+        assert topo.bindings_to(dlq) == [Binding(DEAD_LETTER_EXCHANGE, dlq, dlq)]
+    assert {n for n in names if n.endswith(".dlq")} == {
+        *(f"{s}.dlq" for s in SHARDS),
+        *(f"saga.task.{q}.dlq" for q in TASK_QUEUES + NAMED_QUEUES),
+    }
 
 
 def test_dead_letter_queues_and_rejected_are_plain_quorum_queues(topo: Topology) -> None:
@@ -208,25 +220,32 @@ def test_every_binding_joins_a_declared_exchange_and_queue(topo: Topology) -> No
 
 
 def test_deterministic(registry: Registry) -> None:
-    queues = task_queues_of(registry)
-    first = build_topology(("fast", "slow"), 4, queues, 20)
-    again = build_topology(("fast", "slow"), 4, list(reversed(queues)) + queues, 20)
+    queues = serving_queues(registry.contracts())
+    first = build_topology(NAMES, ("fast", "slow"), 4, queues, 20)
+    again = build_topology(NAMES, ("fast", "slow"), 4, list(reversed(queues)) + queues, 20)
     assert first == again
     assert json.dumps(to_definitions(first)) == json.dumps(to_definitions(again))
 
 
 def test_values_are_immutable(topo: Topology) -> None:
-    queue = topo.queue("orch.fast.0")
+    queue = topo.queue("saga.shard.fast.0")
     with pytest.raises(TypeError):
         queue.arguments["x-delivery-limit"] = 1  # type: ignore[index]
-    assert hash(queue) == hash(topo.queue("orch.fast.0"))
+    assert hash(queue) == hash(topo.queue("saga.shard.fast.0"))
 
 
 def test_topology_for_reads_settings_and_registry(registry: Registry) -> None:
     settings = Settings(shard_classes=("fast",), shard_count=2, delivery_limit=5)
     topo = topology_for(settings, registry)
-    assert topo == build_topology(("fast",), 2, sorted({c.queue for c in registry.contracts()}), 5)
-    assert topo.queue("orch.fast.1").arguments["x-delivery-limit"] == 5
+    assert topo == build_topology(NAMES, ("fast",), 2, serving_queues(registry.contracts()), 5)
+    assert topo.queue("saga.shard.fast.1").arguments["x-delivery-limit"] == 5
+
+
+def test_a_namespace_renames_every_exchange_and_queue(registry: Registry) -> None:
+    topo = topology_for(Settings(namespace="blue"), registry)
+    assert all(e.name.startswith("blue.") for e in topo.exchanges)
+    assert all(q.name.startswith("blue.") for q in topo.queues)
+    assert all(b.source.startswith("blue.") for b in topo.bindings)
 
 
 # ---- definitions.json --------------------------------------------------------------------------------------
@@ -252,13 +271,13 @@ def test_definitions_format(topo: Topology) -> None:
 
 
 def test_definitions_order_is_natural() -> None:
-    defs = to_definitions(build_topology(("fast",), 12, [], 20))
-    shards = [q["name"] for q in defs["queues"] if q["name"].startswith("orch.") and "dlq" not in q["name"]]
-    assert shards == [f"orch.fast.{n}" for n in range(12)]
+    defs = to_definitions(build_topology(NAMES, ("fast",), 12, [], 20))
+    shards = [q["name"] for q in defs["queues"] if q["name"].startswith("saga.shard") and "dlq" not in q["name"]]
+    assert shards == [f"saga.shard.fast.{n}" for n in range(12)]
 
 
 def test_definitions_users() -> None:
-    defs = to_definitions(build_topology(("fast",), 1, [], 20), "v", [("b", "pw-b"), ("a", "pw-a")])
+    defs = to_definitions(build_topology(NAMES, ("fast",), 1, [], 20), "v", [("b", "pw-b"), ("a", "pw-a")])
     assert defs["users"] == [
         {"name": "a", "password": "pw-a", "tags": "administrator"},
         {"name": "b", "password": "pw-b", "tags": "administrator"},
@@ -285,7 +304,7 @@ def test_export_command_writes_a_file(tmp_path: Path) -> None:
     out = tmp_path / "defs.json"
     result = CliRunner().invoke(main, ["topology", "export", "--vhost", "x", "--output", str(out)])
     assert result.exit_code == 0, result.output
-    assert "6 exchanges, 29 queues, 36 bindings" in result.stderr
+    assert "6 exchanges, 59 queues, 66 bindings" in result.stderr
     assert json.loads(out.read_text())["vhosts"] == [{"name": "x"}]
     assert out.read_text() == _export("--vhost", "x")
 

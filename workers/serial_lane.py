@@ -1,0 +1,141 @@
+"""The serial lane: one task of ``tasks.serial`` runs at a time, across every run, contract and worker.
+
+Serial tasks wait in one queue per contract version like every other task (so they reach only workers
+that serve them), and workers of different contracts consume those queues side by side. What keeps them
+one at a time is a lease in Redis, taken before a serial handler starts and given back only when the
+handler has *returned*: a thread-pool handler still running after its attempt was cancelled or timed out
+keeps the lane until its thread ends, so the next serial task never overlaps it.
+
+The lease is a key set with ``SET NX PX`` to a token naming the holder, renewed every third of its
+lifetime while the handler runs and deleted only by the token that holds it. A worker that dies holding
+it gives it back when the lease expires (``SAGA_SERIAL_LEASE_MS``); until then serial tasks wait. The one
+way two serial handlers can overlap is a holder that cannot renew (cut off from Redis) for longer than the
+lease while its handler keeps running: that is logged as an error on the holder.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import socket
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+log = logging.getLogger(__name__)
+
+_ACQUIRE = "return redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) and 1 or 0"
+_RENEW = (
+    "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end "
+    "return 0"
+)
+_RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
+REDIS_TROUBLE = (RedisError, OSError, TimeoutError)
+
+
+def lane_key(prefix: str) -> str:
+    """One key per namespace (its own hash tag: a single key needs no slot company)."""
+    return f"{prefix}:{{serial}}:lane"
+
+
+def holder_of(token: str | None) -> dict[str, Any] | None:
+    """Who holds the lane, as its token says (``None``: nobody, or not a token this code wrote)."""
+    if not token:
+        return None
+    try:
+        holder = json.loads(token)
+    except ValueError:
+        return None
+    return holder if isinstance(holder, dict) else None
+
+
+@dataclass
+class Lease:
+    """The lane, held. Renewed in the background until :meth:`release`."""
+
+    lane: SerialLane
+    token: str
+    renewing: asyncio.Task[None] | None = None
+
+    async def release(self) -> None:
+        if self.renewing is not None:
+            self.renewing.cancel()
+        while True:
+            try:
+                await self.lane.redis.eval(_RELEASE, 1, self.lane.key, self.token)  # type: ignore[misc]
+                return
+            except REDIS_TROUBLE as exc:
+                # Not released, the lane stays taken until the lease expires: keep trying a while, so the
+                # next serial task need not wait that long.
+                log.warning("could not give the serial lane back (%s); retrying", exc)
+                await asyncio.sleep(self.lane.retry_s)
+                if await self.lane.expired(self.token):
+                    return
+
+
+@dataclass
+class SerialLane:
+    redis: aioredis.Redis
+    key: str
+    lease_ms: int = 15_000
+    poll_s: float = 0.02
+    retry_s: float = 0.5
+    worker: str = field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}")
+    clock_ms: Callable[[], int] = field(default=lambda: int(time.time() * 1000))
+
+    async def take(self, task: dict[str, Any], give_up: asyncio.Event) -> Lease | None:
+        """Wait for the lane and hold it for ``task`` (run, stage, contract...: shown to whoever asks who
+        holds it). Returns None without the lane once ``give_up`` is set (the attempt was cancelled, or the
+        worker is stopping). Redis trouble means waiting, never running without the lane."""
+        token = json.dumps(
+            {"worker": self.worker, "token": uuid.uuid4().hex, "since_ms": self.clock_ms(), **task},
+            sort_keys=True,
+        )
+        while not give_up.is_set():
+            try:
+                taken = await self.redis.eval(_ACQUIRE, 1, self.key, token, self.lease_ms)  # type: ignore[misc]
+            except REDIS_TROUBLE as exc:
+                log.warning("serial lane: Redis trouble (%s); the serial task waits", exc)
+                taken, pause = 0, self.retry_s
+            else:
+                pause = self.poll_s
+            if taken:
+                lease = Lease(self, token)
+                lease.renewing = asyncio.create_task(self._renew(token))
+                return lease
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(give_up.wait(), pause)
+        return None
+
+    async def holder(self) -> dict[str, Any] | None:
+        return holder_of(await self.redis.get(self.key))
+
+    async def expired(self, token: str) -> bool:
+        try:
+            return bool(await self.redis.get(self.key) != token)
+        except REDIS_TROUBLE:
+            return False
+
+    async def _renew(self, token: str) -> None:
+        while True:
+            await asyncio.sleep(self.lease_ms / 3000)
+            try:
+                kept = await self.redis.eval(_RENEW, 1, self.key, token, self.lease_ms)  # type: ignore[misc]
+            except REDIS_TROUBLE as exc:
+                log.warning("serial lane: could not renew the lease (%s); retrying", exc)
+                continue
+            if not kept:
+                log.error(
+                    "serial lane: the lease expired while its handler still runs (Redis was out of reach "
+                    "for longer than SAGA_SERIAL_LEASE_MS=%d); another serial task may overlap this one",
+                    self.lease_ms,
+                )
+                return
