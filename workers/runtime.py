@@ -99,19 +99,23 @@ class WorkerRuntime:
     _inflight: set[asyncio.Task[None]] = field(default_factory=set)
     _releasing: set[asyncio.Task[None]] = field(default_factory=set)
     _running: dict[AttemptKey, dict[str, Running]] = field(default_factory=dict)
-    _waiting: dict[AttemptKey, asyncio.Event] = field(default_factory=dict)
-    _slots: asyncio.Semaphore | None = None
+    # tasks not started yet, by attempt and task id (a map's items share an attempt): set to give up
+    _waiting: dict[AttemptKey, dict[str, asyncio.Event]] = field(default_factory=dict)
+    _slots: asyncio.Semaphore = field(init=False)
     _coalescers: dict[int, AckCoalescer] = field(default_factory=dict)  # per channel: tags count per channel
+
+    def __post_init__(self) -> None:
+        self._slots = asyncio.Semaphore(self.concurrency)
 
     def stop(self) -> None:
         self._stopping.set()
         for waiting in self._waiting.values():
-            waiting.set()
+            for give_up in waiting.values():
+                give_up.set()
 
     async def run(self) -> None:
         if any(queue == SERIAL_TASKS for queue, _ in self.serving) and self.lane is None:
             raise ValueError("a worker serving tasks.serial needs the serial lane (Redis)")
-        self._slots = asyncio.Semaphore(self.concurrency)
         # one thread more than the slots: a serial handler holds the lane, not a slot
         pool = ThreadPoolExecutor(max_workers=self.concurrency + 1, thread_name_prefix="saga-handler")
         channel = await self.connection.channel(publisher_confirms=True, on_return_raises=True)
@@ -200,9 +204,8 @@ class WorkerRuntime:
         for future, context in running:
             context.cancelled.set()
             future.cancel()
-        waiting = self._waiting.get(key)
-        if waiting is not None:  # not started yet: it never will
-            waiting.set()
+        for give_up in self._waiting.get(key, {}).values():  # not started yet: they never will
+            give_up.set()
 
     async def _close(self, channel: AbstractChannel) -> None:
         with contextlib.suppress(Exception):
@@ -275,32 +278,30 @@ class WorkerRuntime:
         """Wait until this task may start: a free slot, and for a serial task the serial lane too. None
         when the worker stops first; a turn marked ``cancelled`` when the attempt was cancelled first."""
         key = (envelope.run_id, envelope.stage or "", envelope.fence or "")
-        give_up = self._waiting.setdefault(key, asyncio.Event())
+        give_up = asyncio.Event()
+        waiting = self._waiting.setdefault(key, {})
+        waiting[envelope.message_id] = give_up
         try:
-            lease: Lease | None = None
             if serial:
-                assert self.lane is not None  # run() checks it
-                lease = await self.lane.take(
-                    {
-                        "run_id": envelope.run_id,
-                        "stage": envelope.stage,
-                        "fence": envelope.fence,
-                        "contract": envelope.contract,
-                    },
-                    give_up,
-                )
-                if lease is None:
-                    return None if self._stopping.is_set() else Turn(self, None, False, cancelled=True)
-                return Turn(self, lease, False)
-            assert self._slots is not None
+                return await self._wait_for_lane(envelope, give_up)
             await self._slots.acquire()
             if self._stopping.is_set():
                 self._slots.release()
                 return None
             return Turn(self, None, True, cancelled=give_up.is_set())
         finally:
-            if self._waiting.get(key) is give_up:
-                del self._waiting[key]
+            waiting.pop(envelope.message_id, None)
+            if not waiting:
+                self._waiting.pop(key, None)
+
+    async def _wait_for_lane(self, envelope: Envelope, give_up: asyncio.Event) -> Turn | None:
+        if self.lane is None:
+            raise RuntimeError("a serial task reached a worker without the serial lane")  # run() refuses this
+        task = {"run_id": envelope.run_id, "stage": envelope.stage, "contract": envelope.contract}
+        lease = await self.lane.take({**task, "fence": envelope.fence}, give_up)
+        if lease is None:
+            return None if self._stopping.is_set() else Turn(self, None, False, cancelled=True)
+        return Turn(self, lease, False)
 
     async def _run(
         self, publisher: Publisher, envelope: Envelope, pool: ThreadPoolExecutor, turn: Turn
@@ -492,7 +493,7 @@ class Turn:
         if self._done:
             return
         self._done = True
-        if self.slot and self.runtime._slots is not None:
+        if self.slot:
             self.runtime._slots.release()
         if self.lease is not None:
             releasing = asyncio.ensure_future(self.lease.release())

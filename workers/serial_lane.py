@@ -68,17 +68,18 @@ class Lease:
     async def release(self) -> None:
         if self.renewing is not None:
             self.renewing.cancel()
+        # Not released, the lane stays taken until the lease expires: keep trying until then, so the next
+        # serial task need not wait that long (and a stopping worker is not held up for longer)
+        deadline = time.monotonic() + self.lane.lease_ms / 1000
         while True:
             try:
                 await self.lane.redis.eval(_RELEASE, 1, self.lane.key, self.token)  # type: ignore[misc]
                 return
             except REDIS_TROUBLE as exc:
-                # Not released, the lane stays taken until the lease expires: keep trying a while, so the
-                # next serial task need not wait that long.
-                log.warning("could not give the serial lane back (%s); retrying", exc)
-                await asyncio.sleep(self.lane.retry_s)
-                if await self.lane.expired(self.token):
+                if time.monotonic() >= deadline:
+                    log.warning("could not give the serial lane back (%s); its lease expires instead", exc)
                     return
+                await asyncio.sleep(self.lane.retry_s)
 
 
 @dataclass
@@ -117,12 +118,6 @@ class SerialLane:
 
     async def holder(self) -> dict[str, Any] | None:
         return holder_of(await self.redis.get(self.key))
-
-    async def expired(self, token: str) -> bool:
-        try:
-            return bool(await self.redis.get(self.key) != token)
-        except REDIS_TROUBLE:
-            return False
 
     async def _renew(self, token: str) -> None:
         while True:

@@ -222,7 +222,7 @@ def epochs(history: list[Event]) -> list[list[Event]]:
 
 def _lifecycle(run: RunView) -> list[str]:
     """One start; per epoch one intent and one end; the run's status is its last epoch's end, after which
-    only rejections follow; known rejection reasons."""
+    only rejections and acknowledged cancellations follow; known rejection reasons."""
     found = []
     kinds = [e.kind for e in run.history]
     if kinds[:1] != ["run.started"] or kinds.count("run.started") != 1:
@@ -257,7 +257,9 @@ def _epoch(segment: list[Event], status: str | None, *, last: bool) -> list[str]
         found.append(f"status {status} but terminal events {ends}")
     else:
         after = kinds[kinds.index(ends[0]) + 1 :]
-        if any(k != "callback.rejected" for k in after):
+        # a worker confirming that a fenced-off attempt stopped changes nothing, and may well come last:
+        # a thread-pool handler reports once its thread is told, the run ends without waiting for it
+        if any(k not in ("callback.rejected", "cancellation.acknowledged") for k in after):
             found.append(f"events after the run ended: {after}")
     return found
 
@@ -389,11 +391,11 @@ def effect_violations(
 
 
 def dead_letters(depths: Mapping[str, int]) -> list[str]:
-    """Messages parked where healthy messages must never go: every ``*.dlq`` and ``saga.rejected``."""
+    """Messages parked where healthy messages must never go: every ``*.dlq`` and the rejected queue."""
     return [
         f"queue {name} holds {n} messages"
         for name, n in sorted(depths.items())
-        if n and (name.endswith(".dlq") or name == "saga.rejected")
+        if n and name.endswith((".dlq", ".rejected"))
     ]
 
 

@@ -47,14 +47,12 @@ def consumer_counts(stack: Stack, queues: Callable[[str], bool]) -> dict[str, in
 
 
 def is_shard_queue(name: str) -> bool:
-    return name.startswith("orch.") and not name.endswith(".dlq")
+    return name.startswith("saga.shard.") and not name.endswith(".dlq")
 
 
 def is_task_queue(name: str) -> bool:
-    """The queues the demo worker consumes: the built-in task queues and the contracts' named ones."""
-    return name in ("rendering", "analysis", "metadata") or (
-        name.startswith("tasks.") and not name.endswith(".dlq")
-    )
+    """The queues the demo worker consumes: one per task queue and contract version it serves."""
+    return name.startswith("saga.task.") and ":" in name
 
 
 def wait_until_consuming(

@@ -200,10 +200,15 @@ def test_an_unfinished_and_a_never_created_run_are_pending(run: Fabricated) -> N
 
 
 def test_dead_letters_are_named() -> None:
-    depths = {"orch.fast.0": 3, "orch.fast.0.dlq": 1, "saga.rejected": 2, "tasks.serial.dlq": 0}
+    depths = {
+        "saga.shard.fast.0": 3,
+        "saga.shard.fast.0.dlq": 1,
+        "saga.rejected": 2,
+        "saga.task.tasks.serial.dlq": 0,
+    }
     assert invariants.dead_letters(depths) == [
-        "queue orch.fast.0.dlq holds 1 messages",
         "queue saga.rejected holds 2 messages",
+        "queue saga.shard.fast.0.dlq holds 1 messages",
     ]
 
 

@@ -32,6 +32,7 @@ import pytest
 
 from orchestrator.bus import names
 from orchestrator.bus.envelope import Envelope, Kind, encode
+from orchestrator.bus.names import Names
 from orchestrator.client import Client, status_document
 from orchestrator.store.keys import ShardKeys
 from tests.faults import invariants
@@ -39,6 +40,8 @@ from tests.faults.harness import FaultSeed, Start, log_tail, start_all
 from tests.faults.invariants import assert_no_violations
 from tests.faults.lifecycle import is_shard_queue, is_task_queue, terminal_count, wait_until_consuming
 from tests.integration.stack import Stack
+
+NAMES = Names()  # the stack runs in the default namespace, on a vhost of its own
 
 pytestmark = pytest.mark.services
 
@@ -148,7 +151,7 @@ class Storm:
             keys.barrier(report.run_id, stage), str(report.item)
         ):
             return True
-        return record.get("s:" + stage + ":status") not in ("queued", "running")
+        return record.get("s:" + stage + ":status") not in ("dispatched", "running")
 
     # ---- sending -----------------------------------------------------------------------------------
 
@@ -168,7 +171,7 @@ class Storm:
                 continue
             await channel.default_exchange.publish(
                 aio_pika.Message(raw, delivery_mode=aio_pika.DeliveryMode.PERSISTENT),
-                routing_key=names.shard_queue(p.shard),
+                routing_key=NAMES.shard_queue(p.shard),
                 mandatory=True,
             )
             self.sent[p.run_id] += 1
@@ -244,7 +247,7 @@ def declare_tap(stack: Stack) -> None:
         try:
             channel = await connection.channel()
             queue = await channel.declare_queue(TAP, durable=False)
-            runs = await channel.get_exchange(names.RUNS_EXCHANGE, ensure=False)
+            runs = await channel.get_exchange(NAMES.runs_exchange, ensure=False)
             for shard in names.parse_shards("", stack.settings.shard_classes, stack.settings.shard_count):
                 await queue.bind(runs, routing_key=shard)
         finally:

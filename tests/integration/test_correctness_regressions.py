@@ -20,13 +20,15 @@ from typing import Any
 
 import pytest
 
-from orchestrator.bus import names
 from orchestrator.bus.envelope import encode, signed_message
+from orchestrator.bus.names import Names
 from orchestrator.client import StartRefused, SyncClient, run_id_for, start_envelope
 from orchestrator.engine import ids
 from orchestrator.store.keys import active_key
 from tests.faults import invariants
 from tests.integration.stack import Stack, poll, running
+
+NAMES = Names()  # the stack runs in the default namespace, on a vhost of its own
 
 pytestmark = pytest.mark.services
 
@@ -61,7 +63,7 @@ def raw_start(stack: Stack, run_id: str, definition: str, context: dict[str, Any
 
 
 def start_raw(stack: Stack, run_id: str, definition: str, context: dict[str, Any]) -> None:
-    stack.publish_raw(names.start_exchange("fast"), run_id, raw_start(stack, run_id, definition, context))
+    stack.publish_raw(NAMES.start_exchange("fast"), run_id, raw_start(stack, run_id, definition, context))
 
 
 # ---- 1. a re-drive that reaches a terminal without dispatching work ----------------------------------
@@ -131,13 +133,13 @@ def test_a_start_whose_task_cannot_fit_is_refused_by_the_client_and_failed_by_th
         client.start("model-ingest", context)
     assert any("stage cache-lookup: the task cannot be sent" in p for p in refused.value.problems)
     # And a start that skipped the client: the shard fails the run at once, with the reason
-    parked_before = stack.queue_depths().get(names.REJECTED_QUEUE, 0)
+    parked_before = stack.queue_depths().get(NAMES.rejected_queue, 0)
     start_raw(stack, run_id, "model-ingest", context)
     record = stack.wait_finished(run_id, timeout_s=30)
     assert record["status"] == "failed"
     assert "stage cache-lookup: the task cannot be sent" in record["reason"]
     assert not events(stack, run_id, "stage.dispatched")  # nothing was sent that nobody can read
-    assert stack.queue_depths().get(names.REJECTED_QUEUE, 0) == parked_before
+    assert stack.queue_depths().get(NAMES.rejected_queue, 0) == parked_before
     # and the reconciler has nothing to re-send
     report = stack.saga_json("reconcile", "--min-age-s", "0", "--stranded-after-s", "0")
     assert run_id not in report["stranded"] and not report["undeliverable"]
@@ -166,7 +168,7 @@ def test_a_signed_result_with_a_superscript_digit_is_parked_and_the_run_complete
     run_id = client.start("model-ingest", {"modelId": model})
     poll(lambda: stack.record(run_id).get("s:render-thumbnail:status"), 20, what="render dispatched")
     record = stack.record(run_id)
-    parked_before = stack.queue_depths().get(names.REJECTED_QUEUE, 0)
+    parked_before = stack.queue_depths().get(NAMES.rejected_queue, 0)
     body = signed_message(
         stack.signer,
         kind="result",
@@ -179,8 +181,8 @@ def test_a_signed_result_with_a_superscript_digit_is_parked_and_the_run_complete
         digest=record["digest"],
         body={"ok": True, "result": {"recorded": True}},
     )
-    stack.publish_raw(names.RUNS_EXCHANGE, record["shard"], body)
-    poll(lambda: stack.queue_depths().get(names.REJECTED_QUEUE, 0) > parked_before, 20, what="parked")
+    stack.publish_raw(NAMES.runs_exchange, record["shard"], body)
+    poll(lambda: stack.queue_depths().get(NAMES.rejected_queue, 0) > parked_before, 20, what="parked")
     result = client.wait(run_id, timeout_s=30)
     assert result.state == "completed", result
     no_poison_anywhere(stack, run_id)
@@ -248,7 +250,7 @@ def _item_task(stack: Stack, run_id: str, item: int) -> str:
 
 
 def test_a_run_id_too_long_for_an_amqp_short_string_is_refused_at_the_door(stack: Stack) -> None:
-    parked_before = stack.queue_depths().get(names.REJECTED_QUEUE, 0)
+    parked_before = stack.queue_depths().get(NAMES.rejected_queue, 0)
     body = signed_message(
         stack.signer,
         kind="start",
@@ -256,8 +258,8 @@ def test_a_run_id_too_long_for_an_amqp_short_string_is_refused_at_the_door(stack
         run_id="é" * 150,
         body={"definition": "model-ingest", "context": {"modelId": "m-1"}},
     )
-    stack.publish_raw(names.start_exchange("fast"), "any", body)
-    poll(lambda: stack.queue_depths().get(names.REJECTED_QUEUE, 0) > parked_before, 20, what="parked")
+    stack.publish_raw(NAMES.start_exchange("fast"), "any", body)
+    poll(lambda: stack.queue_depths().get(NAMES.rejected_queue, 0) > parked_before, 20, what="parked")
     assert stack.processes["orchestrator"].poll() is None
     assert "struct.error" not in stack.log("orchestrator")
 

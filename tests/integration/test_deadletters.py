@@ -18,10 +18,18 @@ from typing import Any
 import aio_pika
 import pytest
 
-from orchestrator.bus import names
 from orchestrator.bus.envelope import Envelope, Kind
+from orchestrator.bus.names import Names
 from orchestrator.bus.publisher import Publisher
 from tests.integration.stack import ROOT, Stack, poll
+
+NAMES = Names()  # the stack runs in the default namespace, on a vhost of its own
+# Contract queues that topology apply declares for the demo contracts, and the dead-letter queues they share
+PARALLEL = NAMES.task_queue("tasks.parallel", "thumbnail.render@3")
+ACTIONS = NAMES.task_queue("tasks.actions", "catalogue.publish@2")
+PARALLEL_DLQ = NAMES.task_dead_letters("tasks.parallel")
+ACTIONS_DLQ = NAMES.task_dead_letters("tasks.actions")
+DLQ_OF = {PARALLEL: PARALLEL_DLQ, ACTIONS: ACTIONS_DLQ}
 
 pytestmark = pytest.mark.services
 
@@ -101,7 +109,8 @@ def publish_task(stack: Stack, queue: str, envelope: Envelope) -> None:
         try:
             channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
             signed = stack.signer.sign(envelope)
-            await Publisher(channel, stack.signer).publish_envelope(signed, names.TASKS_EXCHANGE, queue)
+            publisher = Publisher(channel, stack.signer, NAMES)
+            await publisher.publish_envelope(signed, NAMES.tasks_exchange, queue)
         finally:
             await connection.close()
 
@@ -112,7 +121,7 @@ def dead_letter_task(stack: Stack, queue: str, envelope: Envelope) -> None:
     """Publish a task to ``queue`` and refuse it without requeue: the broker dead-letters it."""
     publish_task(stack, queue, envelope)
     asyncio.run(_take(stack, queue, "reject"))
-    wait_depth(stack, names.dead_letter_queue(queue), 1)
+    wait_depth(stack, DLQ_OF[queue], 1)
 
 
 def refuse(stack: Stack, raw: bytes, reason: str, detail: str, source: str) -> None:
@@ -122,7 +131,7 @@ def refuse(stack: Stack, raw: bytes, reason: str, detail: str, source: str) -> N
         connection = await aio_pika.connect(stack.settings.amqp_url)
         try:
             channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
-            await Publisher(channel, stack.signer).reject(raw, reason, detail, source)
+            await Publisher(channel, stack.signer, NAMES).reject(raw, reason, detail, source)
         finally:
             await connection.close()
 
@@ -167,45 +176,50 @@ def test_list_and_show_describe_every_dead_letter_and_leave_it_in_place(stack: S
     # Given a task a worker refused, a forged message refused on a shard queue, and garbage a worker
     # refused on a queue it could not name
     dead = task()
-    dead_letter_task(stack, names.PARALLEL_TASKS, dead)
+    dead_letter_task(stack, PARALLEL, dead)
     forged = stack.signer.sign(task()).model_copy(update={"signature": "0" * 64})
     forged_raw = forged.model_dump_json().encode()
     refuse(
-        stack, forged_raw, "bad-signature", f"message {forged.message_id} has a bad signature", "orch.fast.0"
+        stack,
+        forged_raw,
+        "bad-signature",
+        f"message {forged.message_id} has a bad signature",
+        "saga.shard.fast.0",
     )
     refuse(stack, GARBAGE, "malformed", "message: Invalid JSON", "")
-    wait_depth(stack, names.REJECTED_QUEUE, 2)
+    wait_depth(stack, NAMES.rejected_queue, 2)
 
     # When the dead letters are listed
     queues = listed(stack)
 
     # Then each queue has its count and each message what it is, why it died and where it came from
-    dlq = queues["tasks.parallel.dlq"]
+    dlq = queues[PARALLEL_DLQ]
     assert dlq["exists"] and dlq["count"] == 1
     [entry] = dlq["messages"]
     assert entry["message_id"] == dead.message_id and entry["amqp_message_id"] == dead.message_id
     assert (entry["kind"], entry["run_id"], entry["stage"]) == ("task", dead.run_id, "render-thumbnail")
-    assert (entry["reason"], entry["death_count"], entry["origin"]) == ("rejected", 1, "tasks.parallel")
-    rejected = queues[names.REJECTED_QUEUE]
+    assert (entry["reason"], entry["death_count"], entry["origin"]) == ("rejected", 1, PARALLEL)
+    rejected = queues[NAMES.rejected_queue]
     assert rejected["count"] == 2
     first, garbage = rejected["messages"]
     assert (first["message_id"], first["kind"], first["run_id"]) == (forged.message_id, "task", forged.run_id)
     assert first["reason"] == "bad-signature" and forged.message_id in first["detail"]
-    assert first["origin"] == "orch.fast.0"
+    assert first["origin"] == "saga.shard.fast.0"
     assert garbage["kind"] is None and garbage["reason"] == "malformed" and garbage["origin"] is None
     assert garbage["message_id"] == garbage["amqp_message_id"]  # no envelope: the AMQP id names it
     assert all(
-        q["count"] == 0 for name, q in queues.items() if name not in (names.REJECTED_QUEUE, dlq["queue"])
+        q["count"] == 0 for name, q in queues.items() if name not in (NAMES.rejected_queue, dlq["queue"])
     )
-    assert "orch.fast.0.dlq" in queues and "rendering.dlq" in queues  # shard and contract queues too
+    # shard and contract queues too
+    assert "saga.shard.fast.0.dlq" in queues and NAMES.task_dead_letters("rendering") in queues
 
     # When they are shown, one by one
     [shown] = saga_json(stack, "show", dead.message_id)
-    [shown_garbage] = saga_json(stack, "show", garbage["message_id"], "--queue", names.REJECTED_QUEUE)
+    [shown_garbage] = saga_json(stack, "show", garbage["message_id"], "--queue", NAMES.rejected_queue)
 
     # Then headers and body are there: the body decoded, garbage as base64
-    assert shown["queue"] == "tasks.parallel.dlq"
-    assert shown["headers"]["x-death"][0]["queue"] == "tasks.parallel"
+    assert shown["queue"] == PARALLEL_DLQ
+    assert shown["headers"]["x-death"][0]["queue"] == PARALLEL
     assert shown["body_format"] == "json" and shown["body"]["run_id"] == dead.run_id
     assert shown["properties"]["message_id"] == dead.message_id
     assert shown_garbage["headers"]["x-saga-reason"] == "malformed"
@@ -220,34 +234,34 @@ def test_list_and_show_describe_every_dead_letter_and_leave_it_in_place(stack: S
     assert (
         dead.message_id in text.stdout
         and "rejected x1" in text.stdout
-        and "from tasks.parallel" in text.stdout
+        and f"from {PARALLEL}" in text.stdout
     )
 
     # And every message is still where it was, in the same order, each read counted as a delivery
-    assert depth(stack, "tasks.parallel.dlq") == 1 and depth(stack, names.REJECTED_QUEUE) == 2
+    assert depth(stack, PARALLEL_DLQ) == 1 and depth(stack, NAMES.rejected_queue) == 2
     again = listed(stack)
-    assert [m["message_id"] for m in again[names.REJECTED_QUEUE]["messages"]] == [
+    assert [m["message_id"] for m in again[NAMES.rejected_queue]["messages"]] == [
         first["message_id"],
         garbage["message_id"],
     ]
-    assert again["tasks.parallel.dlq"]["messages"][0]["delivery_count"] > entry["delivery_count"]
+    assert again[PARALLEL_DLQ]["messages"][0]["delivery_count"] > entry["delivery_count"]
 
 
 def test_a_message_over_the_delivery_limit_is_listed_with_that_reason(stack: Stack) -> None:
     # Given a task handed back more often than the queue's delivery limit allows
     poison = task("poison")
-    publish_task(stack, names.PARALLEL_TASKS, poison)
-    asyncio.run(_take(stack, names.PARALLEL_TASKS, "requeue", stack.settings.delivery_limit + 1))
-    wait_depth(stack, "tasks.parallel.dlq", 1)
+    publish_task(stack, PARALLEL, poison)
+    asyncio.run(_take(stack, PARALLEL, "requeue", stack.settings.delivery_limit + 1))
+    wait_depth(stack, PARALLEL_DLQ, 1)
 
     # When its dead-letter queue is listed
-    [entry] = listed(stack, "--queue", "tasks.parallel.dlq")["tasks.parallel.dlq"]["messages"]
+    [entry] = listed(stack, "--queue", PARALLEL_DLQ)[PARALLEL_DLQ]["messages"]
 
     # Then the broker's reason says so
     assert (entry["message_id"], entry["reason"], entry["origin"]) == (
         poison.message_id,
         "delivery_limit",
-        names.PARALLEL_TASKS,
+        PARALLEL,
     )
 
 
@@ -257,17 +271,17 @@ def test_a_message_over_the_delivery_limit_is_listed_with_that_reason(stack: Sta
 def test_replay_puts_a_message_back_on_its_queue_exactly_once(stack: Stack) -> None:
     # Given a dead-lettered task next to another one, and a refused message that names its shard queue
     dead, other = task(), task()
-    dead_letter_task(stack, names.ACTION_TASKS, dead)
-    publish_task(stack, names.ACTION_TASKS, other)
-    asyncio.run(_take(stack, names.ACTION_TASKS, "reject"))
-    wait_depth(stack, "tasks.actions.dlq", 2)
+    dead_letter_task(stack, ACTIONS, dead)
+    publish_task(stack, ACTIONS, other)
+    asyncio.run(_take(stack, ACTIONS, "reject"))
+    wait_depth(stack, ACTIONS_DLQ, 2)
     refused = stack.signer.sign(task())
     refuse(
         stack,
         refused.model_dump_json().encode(),
         "unknown-key",
         "key id 'old' is not configured",
-        "orch.fast.1",
+        "saga.shard.fast.1",
     )
 
     # When one of them is replayed by id
@@ -275,39 +289,39 @@ def test_replay_puts_a_message_back_on_its_queue_exactly_once(stack: Stack) -> N
 
     # Then it is back on tasks.actions once, and only it left the dead-letter queue
     assert done.returncode == 0, done.stderr
-    assert f"replayed {dead.message_id} from tasks.actions.dlq to tasks.actions" in done.stdout
-    wait_depth(stack, "tasks.actions.dlq", 1)
-    [back] = take_all(stack, names.ACTION_TASKS)
+    assert f"replayed {dead.message_id} from {ACTIONS_DLQ} to {ACTIONS}" in done.stdout
+    wait_depth(stack, ACTIONS_DLQ, 1)
+    [back] = take_all(stack, ACTIONS)
     assert back.message_id == dead.message_id
     assert json.loads(back.body) == json.loads(stack.signer.sign(dead).model_dump_json())
     assert (
         back.headers[  # the replayed copy says where it came from, not how it died
             "x-saga-replayed-from"
         ]
-        == "tasks.actions.dlq"
+        == ACTIONS_DLQ
         and "x-death" not in back.headers
     )
-    [left] = listed(stack, "--queue", "tasks.actions.dlq")["tasks.actions.dlq"]["messages"]
+    [left] = listed(stack, "--queue", ACTIONS_DLQ)[ACTIONS_DLQ]["messages"]
     assert left["message_id"] == other.message_id
 
     # When the refused message is replayed: it goes to the queue it was refused on, with its envelope id
-    done = saga(stack, "replay", refused.message_id, "--queue", names.REJECTED_QUEUE)
+    done = saga(stack, "replay", refused.message_id, "--queue", NAMES.rejected_queue)
     assert done.returncode == 0, done.stderr
-    wait_depth(stack, names.REJECTED_QUEUE, 0)
-    [back] = take_all(stack, "orch.fast.1")
+    wait_depth(stack, NAMES.rejected_queue, 0)
+    [back] = take_all(stack, "saga.shard.fast.1")
     assert back.message_id == refused.message_id and "x-saga-reason" not in back.headers
 
     # When everything left is replayed
     done = saga(stack, "replay", "--all")
     assert done.returncode == 0, done.stderr
-    wait_depth(stack, "tasks.actions.dlq", 0)
-    assert [m.message_id for m in take_all(stack, names.ACTION_TASKS)] == [other.message_id]
+    wait_depth(stack, ACTIONS_DLQ, 0)
+    assert [m.message_id for m in take_all(stack, ACTIONS)] == [other.message_id]
 
 
 def test_a_refused_message_that_names_no_queue_is_not_replayed(stack: Stack) -> None:
     # Given garbage refused on a queue nobody recorded
     refuse(stack, GARBAGE, "malformed", "message: Invalid JSON", "")
-    [entry] = listed(stack, "--queue", names.REJECTED_QUEUE)[names.REJECTED_QUEUE]["messages"]
+    [entry] = listed(stack, "--queue", NAMES.rejected_queue)[NAMES.rejected_queue]["messages"]
 
     # When it is replayed
     done = saga(stack, "replay", entry["message_id"])
@@ -315,16 +329,16 @@ def test_a_refused_message_that_names_no_queue_is_not_replayed(stack: Stack) -> 
     # Then the command says why not, with the id, and the message stays
     assert done.returncode == 1
     assert entry["message_id"] in done.stderr and "x-saga-source header is missing" in done.stderr
-    assert depth(stack, names.REJECTED_QUEUE) == 1
+    assert depth(stack, NAMES.rejected_queue) == 1
 
 
 @pytest.mark.parametrize(
     ("args", "code", "says"),
     [
         (("show", "no-such-id"), 1, "message 'no-such-id' is not on any of"),
-        (("replay", "no-such-id", "--queue", "tasks.parallel.dlq"), 1, "is not on tasks.parallel.dlq"),
-        (("show", "x", "--queue", "no-such-queue.dlq"), 1, "'no-such-queue.dlq' does not exist"),
-        (("list", "--queue", "tasks.parallel"), 2, "'tasks.parallel' is not a dead-letter queue"),
+        (("replay", "no-such-id", "--queue", PARALLEL_DLQ), 1, f"is not on {PARALLEL_DLQ}"),
+        (("show", "x", "--queue", "saga.task.nope.dlq"), 1, "'saga.task.nope.dlq' does not exist"),
+        (("list", "--queue", PARALLEL), 2, f"'{PARALLEL}' is not a dead-letter queue"),
         (("replay",), 2, "give either a MESSAGE_ID or --all"),
         (("replay", "x", "--all"), 2, "give either a MESSAGE_ID or --all"),
     ],
@@ -338,7 +352,7 @@ def test_errors_name_what_is_missing(stack: Stack, args: tuple[str, ...], code: 
 def test_an_unreachable_broker_is_a_configuration_error(stack: Stack) -> None:
     env = {**stack.env, "SAGA_AMQP_URL": "amqp://guest:secret@127.0.0.1:1/"}
     done = subprocess.run(
-        [sys.executable, "-m", "orchestrator", "dead-letters", "list", "--queue", names.REJECTED_QUEUE],
+        [sys.executable, "-m", "orchestrator", "dead-letters", "list", "--queue", NAMES.rejected_queue],
         cwd=ROOT,
         env=env,
         capture_output=True,

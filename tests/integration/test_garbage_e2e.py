@@ -17,13 +17,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from orchestrator.bus import names
+from orchestrator.bus.names import Names
 from orchestrator.client import SyncClient
 from orchestrator.store.spec import snapshot_from_record
 from tests.faults import invariants
 from tests.integration.garbage import Target, garbage, is_legitimate, sign
 from tests.integration.stack import Stack, poll, running
 from tests.unit.redrive_cases import compiled
+
+NAMES = Names()  # the stack runs in the default namespace, on a vhost of its own
 
 pytestmark = pytest.mark.services
 
@@ -38,7 +40,7 @@ async def publish_all(stack: Stack, shard: str, bodies: list[bytes]) -> None:
     connection = await aio_pika.connect(stack.settings.amqp_url)
     try:
         channel = await connection.channel(publisher_confirms=True)
-        exchange = await channel.get_exchange(names.RUNS_EXCHANGE, ensure=False)
+        exchange = await channel.get_exchange(NAMES.runs_exchange, ensure=False)
         for body in bodies:
             message = aio_pika.Message(body, delivery_mode=aio_pika.DeliveryMode.PERSISTENT)
             await exchange.publish(message, routing_key=shard, mandatory=True)
@@ -55,7 +57,7 @@ def test_signed_garbage_through_the_broker_changes_nothing_and_crashes_nothing(s
     stack.stop("worker")
     client = SyncClient(stack.settings)
     run_id = client.start("model-ingest", {"modelId": "garbage-e2e"})
-    poll(lambda: stack.record(run_id).get("s:cache-lookup:status") == "queued", 20, what="cache-lookup")
+    poll(lambda: stack.record(run_id).get("s:cache-lookup:status") == "dispatched", 20, what="cache-lookup")
     record = stack.record(run_id)
     shard = record["shard"]
     other = next(s for s in ("fast.0", "fast.1") if s != shard)
@@ -71,7 +73,7 @@ def test_signed_garbage_through_the_broker_changes_nothing_and_crashes_nothing(s
             drawn.append(sign(stack.signer, fields))
 
     draw()
-    parked_before = stack.queue_depths().get(names.REJECTED_QUEUE, 0)
+    parked_before = stack.queue_depths().get(NAMES.rejected_queue, 0)
     recorded_before = rejections(stack, run_id)
 
     # When they are published onto the run's shard queue
@@ -79,7 +81,7 @@ def test_signed_garbage_through_the_broker_changes_nothing_and_crashes_nothing(s
 
     # Then each left exactly one trace: parked with its reason, or one rejection in the run's history
     def traces() -> int:
-        parked = stack.queue_depths().get(names.REJECTED_QUEUE, 0) - parked_before
+        parked = stack.queue_depths().get(NAMES.rejected_queue, 0) - parked_before
         return parked + rejections(stack, run_id) - recorded_before
 
     poll(lambda: traces() >= len(drawn), 60, what=f"{len(drawn)} refusals")

@@ -9,9 +9,12 @@ from collections.abc import Iterator
 import pytest
 
 from orchestrator.bus import names
+from orchestrator.bus.names import Names
 from orchestrator.client import SyncClient
 from orchestrator.store.keys import ShardKeys
 from tests.integration.stack import Stack, poll, running
+
+NAMES = Names()  # the stack runs in the default namespace, on a vhost of its own
 
 pytestmark = pytest.mark.services
 
@@ -42,8 +45,8 @@ def test_a_poison_message_is_dead_lettered_and_fails_only_its_own_run(stack: Sta
         assert "every delivery" in record["reason"]
         assert [e for e in stack.history(victim) if e["kind"] == "message.poisoned"]
         # and the message waits in the shard's dead-letter queue for a human (saga dead-letters)
-        dlq = names.dead_letter_queue(names.shard_queue(shard))
+        dlq = names.dead_letter_queue(NAMES.shard_queue(shard))
         poll(lambda: stack.queue_depths().get(dlq, 0) == 1, 30, what="the poison message dead-lettered")
         # the shard's other runs were not held up
         assert all(client.wait(run_id, timeout_s=60).state == "completed" for run_id in others)
-        assert stack.queue_depths().get(names.shard_queue(shard), 0) == 0
+        assert stack.queue_depths().get(NAMES.shard_queue(shard), 0) == 0

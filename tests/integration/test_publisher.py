@@ -9,13 +9,14 @@ from collections.abc import Iterator
 import aio_pika
 import pytest
 
-from orchestrator.bus import names
 from orchestrator.bus.envelope import Signer, decode
+from orchestrator.bus.names import Names
 from orchestrator.bus.publisher import Publisher
 from orchestrator.engine.model import Outgoing
 from tests.integration.stack import Stack
 
 pytestmark = pytest.mark.services
+NAMES = Names()
 
 
 @pytest.fixture(scope="module")
@@ -45,15 +46,17 @@ def task(i: int, queue: str) -> Outgoing:
 
 def test_concurrent_publishes_are_confirmed_and_arrive_intact_in_order(stack: Stack) -> None:
     signer = Signer.from_settings(stack.settings.signing_keys)
-    messages = [task(i, names.PARALLEL_TASKS) for i in range(300)]
+    messages = [task(i, "tasks.parallel") for i in range(300)]
 
     async def go() -> list[bytes]:
         connection = await aio_pika.connect(stack.settings.amqp_url)
         try:
             channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
-            confirmed = await Publisher(channel, signer).publish_all(messages, 1)
+            confirmed = await Publisher(channel, signer, NAMES).publish_all(messages, 1)
             assert confirmed == [m.message_id for m in messages]  # every one, in order
-            queue = await channel.get_queue(names.PARALLEL_TASKS, ensure=False)
+            queue = await channel.get_queue(
+                NAMES.task_queue("tasks.parallel", "thumbnail.render@3"), ensure=False
+            )
             bodies = []
             async with queue.iterator() as it:
                 async for message in it:
@@ -78,12 +81,37 @@ def test_an_unroutable_mandatory_message_is_not_confirmed(stack: Stack) -> None:
         connection = await aio_pika.connect(stack.settings.amqp_url)
         try:
             channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
-            publisher = Publisher(channel, signer)
-            lost = task(1, "no-such-queue")
-            fine = task(2, names.ACTION_TASKS)
+            publisher = Publisher(channel, signer, NAMES)
+            lost = Outgoing("result-1", "result", ("shard", "nowhere.9"), task(1, "x").body)
+            fine = task(2, "tasks.actions")
             return await publisher.publish_all([lost, fine], 1)
         finally:
             await connection.close()
 
     confirmed = asyncio.run(go())
     assert len(confirmed) == 1 and confirmed[0].startswith("task-2-")  # the lost one stays in the outbox
+
+
+def test_a_task_for_a_contract_no_worker_has_served_waits_in_its_own_queue(stack: Stack) -> None:
+    """The publisher declares the queue of a task queue and contract version the first time it sends there,
+    so the task is confirmed and waits for a worker of that version instead of coming back unroutable."""
+    signer = Signer.from_settings(stack.settings.signing_keys)
+    waiting = task(3, "gpu-pool")
+    waiting.body["contract"] = "never.served@7"
+    name = NAMES.task_queue("gpu-pool", "never.served@7")
+
+    async def go() -> tuple[list[str], int, int]:
+        connection = await aio_pika.connect(stack.settings.amqp_url)
+        try:
+            channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
+            confirmed = await Publisher(channel, signer, NAMES).publish_all([waiting], 1)
+            declared = await channel.declare_queue(name, passive=True)
+            dlq = await channel.declare_queue(NAMES.task_dead_letters("gpu-pool"), passive=True)
+            assert dlq.declaration_result.message_count == 0
+            result = declared.declaration_result
+            return confirmed, result.message_count or 0, result.consumer_count or 0
+        finally:
+            await connection.close()
+
+    confirmed, messages, consumers = asyncio.run(go())
+    assert confirmed == [waiting.message_id] and (messages, consumers) == (1, 0)

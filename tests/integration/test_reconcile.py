@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from orchestrator.bus.names import Names
 from orchestrator.client import SyncClient
 from orchestrator.store.keys import ShardKeys, index_key
 from tests.faults import invariants
@@ -25,6 +26,11 @@ def stack() -> Iterator[Stack]:
         yield s
 
 
+# where the stranded tasks wait: their task queue's queue for their contract version
+CACHE_LOOKUP_QUEUE = Names().task_queue("tasks.actions", "cache.lookup@1")
+RENDER_QUEUE = Names().task_queue("tasks.parallel", "thumbnail.render@3")
+
+
 def reconcile(stack: Stack, *extra: str) -> dict[str, Any]:
     done = stack.saga("reconcile", "--json", "--min-age-s", "0", *extra)
     assert done.returncode == 0, done.stderr
@@ -35,9 +41,9 @@ def test_a_run_whose_task_vanished_is_found_nudged_and_completes(stack: Stack) -
     with SyncClient(stack.settings) as client:
         stack.stop("worker")
         run_id = client.start("model-ingest", {"modelId": "stranded-1"})
-        poll(lambda: stack.record(run_id).get("s:cache-lookup:status") == "queued", 20, what="dispatched")
+        poll(lambda: stack.record(run_id).get("s:cache-lookup:status") == "dispatched", 20, what="dispatched")
         poll(lambda: not stack.outbox(stack.record(run_id)["shard"]), 20, what="the dispatch confirmed")
-        rabbitmqctl("purge_queue", "-p", stack.vhost, "tasks.actions")  # the task is gone
+        rabbitmqctl("purge_queue", "-p", stack.vhost, CACHE_LOOKUP_QUEUE)  # the task is gone
         time.sleep(1.1)  # history quiet for a second
         found = reconcile(stack, "--dry-run", "--stranded-after-s", "1")
         assert run_id in found["stranded"] and found["nudged"] == []
@@ -106,7 +112,7 @@ def test_an_outbox_entry_too_large_to_send_is_not_sent_and_its_step_fails_with_w
     record = stack.record(run_id)
     assert record["s:cache-lookup:status"] == "failed"
     assert "the task cannot be sent" in record["reason"] and "32,768" in record["reason"]
-    assert stack.queue_depths().get("tasks.actions", 0) == 0  # nothing parked, nothing sent
+    assert stack.queue_depths().get(CACHE_LOOKUP_QUEUE, 0) == 0  # nothing parked, nothing sent
     stack.start_orchestrator()
     assert stack.wait_finished(run_id)["status"] == "failed"
 
@@ -118,9 +124,9 @@ def test_a_bag_whose_item_tasks_vanished_is_nudged_and_only_its_missing_items_ar
         stack.stop("worker")
         models = [f"bag-stranded-{i}" for i in range(5)]
         run_id = client.start("thumbnail-batch", {"modelIds": models})
-        poll(lambda: stack.record(run_id).get("s:render-all:status") == "queued", 20, what="dispatched")
+        poll(lambda: stack.record(run_id).get("s:render-all:status") == "dispatched", 20, what="dispatched")
         poll(lambda: not stack.outbox(stack.record(run_id)["shard"]), 20, what="the dispatch confirmed")
-        rabbitmqctl("purge_queue", "-p", stack.vhost, "tasks.parallel")  # every item task is gone
+        rabbitmqctl("purge_queue", "-p", stack.vhost, RENDER_QUEUE)  # every item task is gone
         time.sleep(1.1)  # history quiet for a second
         repaired = reconcile(stack, "--stranded-after-s", "1")
         assert run_id in repaired["nudged"]

@@ -10,13 +10,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from orchestrator.bus import names
 from orchestrator.bus.envelope import Envelope, Kind
+from orchestrator.bus.names import Names
 from orchestrator.client import SyncClient, run_id_for
 from orchestrator.compiler import compile_text
 from orchestrator.engine import ids
 from orchestrator.provision import publish_plans
 from tests.integration.stack import REGISTRY, ROOT, Stack, poll, running
+
+NAMES = Names()  # the stack runs in the default namespace, on a vhost of its own
 
 pytestmark = pytest.mark.services
 
@@ -130,7 +132,7 @@ def test_fork_branch_failure_cancels_the_sibling_and_records_its_late_completion
         digest=record["digest"],
         body={"ok": True, "result": {"faces": 1, "vertices": 1}},
     )
-    stack.publish_envelope(straggler, names.RUNS_EXCHANGE, record["shard"])
+    stack.publish_envelope(straggler, NAMES.runs_exchange, record["shard"])
     late = poll(
         lambda: [
             e
@@ -174,8 +176,8 @@ def test_forged_and_oversized_messages_never_touch_a_live_run(stack: Stack, clie
     stack.world.set_fault("forged-1", "thumbnail.render", delay_ms=600)
     run_id = client.start("model-ingest", {"modelId": "forged-1"})
     poll(
-        # queued, or running once a worker accepted it (the stage has an execution deadline)
-        lambda: stack.record(run_id).get("s:render-thumbnail:status") in ("queued", "running"),
+        # dispatched, or running once a worker accepted it (the stage has an execution deadline)
+        lambda: stack.record(run_id).get("s:render-thumbnail:status") in ("dispatched", "running"),
         10,
         what="render dispatched",
     )
@@ -195,27 +197,27 @@ def test_forged_and_oversized_messages_never_touch_a_live_run(stack: Stack, clie
         body={"ok": True, "result": {"thumbnailUri": "evil"}},
         signature="0" * 64,
     )
-    stack.publish_raw(names.RUNS_EXCHANGE, shard, forged.model_dump_json().encode())
-    stack.publish_raw(names.RUNS_EXCHANGE, shard, b"{" + b" " * 2_000_000 + b"}")
-    stack.publish_raw(names.RUNS_EXCHANGE, shard, b"not json at all")
+    stack.publish_raw(NAMES.runs_exchange, shard, forged.model_dump_json().encode())
+    stack.publish_raw(NAMES.runs_exchange, shard, b"{" + b" " * 2_000_000 + b"}")
+    stack.publish_raw(NAMES.runs_exchange, shard, b"not json at all")
     # Then the run completes normally with the worker's real result
     assert client.wait(run_id, timeout_s=30).state == "completed"
     result = json.loads(stack.record(run_id)["s:render-thumbnail:result"])
     assert result == {"thumbnailUri": "thumbs/forged-1.png"}
     assert all(e["kind"] != "callback.rejected" for e in stack.history(run_id))  # no write at all
     depths = poll(
-        lambda: (d := stack.queue_depths()).get(names.REJECTED_QUEUE, 0) >= 3 and d,
+        lambda: (d := stack.queue_depths()).get(NAMES.rejected_queue, 0) >= 3 and d,
         10,
         what="rejections parked",
     )
-    assert depths[names.REJECTED_QUEUE] >= 3
+    assert depths[NAMES.rejected_queue] >= 3
 
 
 def test_duplicate_stale_and_reordered_completions_change_nothing(stack: Stack, client: SyncClient) -> None:
     # Given a live run whose join has released and whose publish is still working
     stack.world.set_fault("storm-1", "catalogue.publish", delay_ms=1500)
     run_id = client.start("model-ingest", {"modelId": "storm-1"})
-    poll(lambda: stack.record(run_id).get("s:publish:status") == "queued", 20, what="publish dispatched")
+    poll(lambda: stack.record(run_id).get("s:publish:status") == "dispatched", 20, what="publish dispatched")
     before = stack.record(run_id)
     shard = before["shard"]
 
@@ -243,7 +245,7 @@ def test_duplicate_stale_and_reordered_completions_change_nothing(stack: Stack, 
         result("technical-metadata", "1.1", {"faces": 2, "vertices": 2}, "replay-under-a-new-id"),
     ]
     for envelope in reversed(storm):
-        stack.publish_envelope(envelope, names.RUNS_EXCHANGE, shard)
+        stack.publish_envelope(envelope, NAMES.runs_exchange, shard)
     rejected = poll(
         lambda: (
             [e for e in stack.history(run_id) if e["kind"] == "callback.rejected"]
@@ -304,7 +306,7 @@ def test_kill_9_between_commit_and_publish_loses_nothing(stack: Stack, client: S
 def test_sigterm_drains_and_a_restart_finishes_the_work(stack: Stack, client: SyncClient) -> None:
     # Given a bag of 300 items under way
     run_id = client.start("thumbnail-batch", {"modelIds": [f"drain-{i}" for i in range(300)]})
-    poll(lambda: stack.record(run_id).get("s:render-all:status") == "queued", 20, what="the bag dispatched")
+    poll(lambda: stack.record(run_id).get("s:render-all:status") == "dispatched", 20, what="bag dispatched")
     # When the orchestrator gets SIGTERM mid-way, it finishes its batch and exits cleanly
     assert stack.stop("orchestrator", signal.SIGTERM) == 0
     assert "Traceback" not in stack.log("orchestrator")
@@ -323,7 +325,7 @@ def test_a_running_run_stays_pinned_to_its_plan_when_a_new_version_is_activated(
     stack.world.set_fault("pin-1", "thumbnail.render", delay_ms=800)
     old_run = client.start("model-ingest", {"modelId": "pin-1"})
     poll(
-        lambda: stack.record(old_run).get("s:render-thumbnail:status") in ("queued", "running"),
+        lambda: stack.record(old_run).get("s:render-thumbnail:status") in ("dispatched", "running"),
         10,
         what="render dispatched",
     )

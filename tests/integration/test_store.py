@@ -325,11 +325,11 @@ def test_an_item_that_arrived_stays_even_when_its_failure_would_arrive_at_a_join
     again = dataclasses.replace(handled.event, ok=False, result=None, error="boom", retryable=False)
     refused = sim.handle(again)
     assert refused.decision.arrival is not None and refused.decision.absent  # the case under test
-    assert refused.code == DUPLICATE and sim.record["s:bag:status"] == "queued"
+    assert refused.code == DUPLICATE and sim.record["s:bag:status"] == "dispatched"
 
     async def test(store: RedisStore) -> None:
         memory = await replay_both(store, plan, run_id, sim.log)
-        assert memory.runs[run_id].record["s:bag:status"] == "queued"
+        assert memory.runs[run_id].record["s:bag:status"] == "dispatched"
 
     with_store(test)
 

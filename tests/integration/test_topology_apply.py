@@ -19,8 +19,8 @@ from urllib.parse import quote
 import aio_pika
 import pytest
 
-from orchestrator.bus.names import RUNS_EXCHANGE, TASKS_EXCHANGE, shard_queue, start_exchange
-from orchestrator.bus.topology import Topology, apply_topology, build_topology, task_queues_of, to_definitions
+from orchestrator.bus.names import Names
+from orchestrator.bus.topology import Topology, apply_topology, build_topology, serving_queues, to_definitions
 from orchestrator.contracts import Registry
 
 pytestmark = [
@@ -30,7 +30,10 @@ pytestmark = [
 
 ROOT = Path(__file__).resolve().parents[2]
 HOST = "127.0.0.1:5672"
-SHARD_QUEUES = [shard_queue(f"{c}.{n}") for c in ("fast", "slow") for n in range(4)]
+NAMES = Names()
+RUNS_EXCHANGE, TASKS_EXCHANGE = NAMES.runs_exchange, NAMES.tasks_exchange
+SHARD_QUEUES = [NAMES.shard_queue(f"{c}.{n}") for c in ("fast", "slow") for n in range(4)]
+RENDER_PARALLEL = NAMES.task_queue("tasks.parallel", "thumbnail.render@3")
 
 
 def rabbitmqctl(*args: str) -> str:
@@ -58,7 +61,7 @@ def vhost() -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def topo(registry: Registry) -> Topology:
-    return build_topology(("fast", "slow"), 4, task_queues_of(registry), 20)
+    return build_topology(NAMES, ("fast", "slow"), 4, serving_queues(registry.contracts()), 20)
 
 
 def broker_queues(vhost: str) -> dict[str, dict[str, Any]]:
@@ -127,7 +130,7 @@ def test_routing(vhost: str, topo: Topology) -> None:
         connection = await aio_pika.connect(url(vhost))
         async with connection:
             channel = await connection.channel()  # publisher confirms: publish returns once queued
-            starts = await channel.get_exchange(start_exchange("fast"))
+            starts = await channel.get_exchange(NAMES.start_exchange("fast"))
             run_ids = [uuid.uuid4().hex for _ in range(16)]
             for run_id in run_ids:
                 await starts.publish(aio_pika.Message(run_id.encode()), routing_key=run_id, mandatory=True)
@@ -136,23 +139,23 @@ def test_routing(vhost: str, topo: Topology) -> None:
             everything = sorted(body.decode() for bodies in landed.values() for body in bodies)
             assert everything == sorted(run_ids)  # each start in exactly one shard queue
             used = {name for name, bodies in landed.items() if bodies}
-            assert all(name.startswith("orch.fast.") for name in used)
+            assert all(name.startswith("saga.shard.fast.") for name in used)
             assert len(used) >= 2  # consistent hashing spreads them (16 keys on one shard: p ~ 1e-9)
 
             runs = await channel.get_exchange(RUNS_EXCHANGE)
             await runs.publish(aio_pika.Message(b"for fast.2"), routing_key="fast.2", mandatory=True)
             landed = {name: await drain(channel, name) for name in SHARD_QUEUES}
             assert {name: bodies for name, bodies in landed.items() if bodies} == {
-                "orch.fast.2": [b"for fast.2"]
+                "saga.shard.fast.2": [b"for fast.2"]
             }
 
             tasks = await channel.get_exchange(TASKS_EXCHANGE)
-            await tasks.publish(aio_pika.Message(b"poison"), routing_key="tasks.parallel", mandatory=True)
-            queue = await channel.get_queue("tasks.parallel")
+            await tasks.publish(aio_pika.Message(b"poison"), routing_key=RENDER_PARALLEL, mandatory=True)
+            queue = await channel.get_queue(RENDER_PARALLEL)
             message = await queue.get(fail=False)
             assert message is not None
             await message.reject(requeue=False)
-            dlq = await channel.get_queue("tasks.parallel.dlq")
+            dlq = await channel.get_queue(NAMES.task_dead_letters("tasks.parallel"))
             for _ in range(50):  # at-least-once dead-lettering is asynchronous
                 dead = await dlq.get(no_ack=True, fail=False)
                 if dead is not None:
@@ -160,13 +163,13 @@ def test_routing(vhost: str, topo: Topology) -> None:
                 await asyncio.sleep(0.1)
             assert dead is not None and dead.body == b"poison"
             assert dead.headers["x-first-death-reason"] == "rejected"
-            assert dead.headers["x-first-death-queue"] == "tasks.parallel"
+            assert dead.headers["x-first-death-queue"] == RENDER_PARALLEL
 
     asyncio.run(scenario())
 
 
 def test_delivery_limit_dead_letters_a_message_requeued_too_often(vhost: str) -> None:
-    small = build_topology(("fast",), 1, [], 2)
+    small = build_topology(NAMES, ("fast",), 1, [], 2)
 
     async def scenario() -> int:
         await _apply(vhost, small)
@@ -175,7 +178,7 @@ def test_delivery_limit_dead_letters_a_message_requeued_too_often(vhost: str) ->
             channel = await connection.channel()
             runs = await channel.get_exchange(RUNS_EXCHANGE)
             await runs.publish(aio_pika.Message(b"m"), routing_key="fast.0", mandatory=True)
-            queue = await channel.get_queue("orch.fast.0")
+            queue = await channel.get_queue("saga.shard.fast.0")
             deliveries = 0
             async with queue.iterator() as messages:  # a consumer: SAC quorum queues refuse basic.get
                 while deliveries < 10:
@@ -185,14 +188,14 @@ def test_delivery_limit_dead_letters_a_message_requeued_too_often(vhost: str) ->
                         break
                     deliveries += 1
                     await message.nack(requeue=True)
-            dlq = await channel.get_queue("orch.fast.0.dlq")
+            dlq = await channel.get_queue("saga.shard.fast.0.dlq")
             for _ in range(50):
                 dead = await dlq.get(no_ack=True, fail=False)
                 if dead is not None:
                     assert dead.headers["x-first-death-reason"] == "delivery_limit"
                     return deliveries
                 await asyncio.sleep(0.1)
-            raise AssertionError("the message never reached orch.fast.0.dlq")
+            raise AssertionError("the message never reached saga.shard.fast.0.dlq")
 
     assert asyncio.run(scenario()) == 3  # the limit (2) counts returns: the third return dead-letters
 
@@ -200,9 +203,9 @@ def test_delivery_limit_dead_letters_a_message_requeued_too_often(vhost: str) ->
 def test_apply_refuses_changed_arguments(vhost: str) -> None:
     import aiormq
 
-    asyncio.run(_apply(vhost, build_topology(("fast",), 1, [], 20)))
+    asyncio.run(_apply(vhost, build_topology(NAMES, ("fast",), 1, [], 20)))
     with pytest.raises(aiormq.exceptions.ChannelPreconditionFailed, match="x-delivery-limit"):
-        asyncio.run(_apply(vhost, build_topology(("fast",), 1, [], 30)))
+        asyncio.run(_apply(vhost, build_topology(NAMES, ("fast",), 1, [], 30)))
 
 
 # ---- the file and the command ------------------------------------------------------------------------------
@@ -226,7 +229,7 @@ def test_definitions_import_agrees_with_apply(vhost: str, topo: Topology) -> Non
             connection = await aio_pika.connect(url(vhost, user, password))
             async with connection:
                 channel = await connection.channel()
-                await channel.declare_queue("orch.fast.0", passive=True)
+                await channel.declare_queue("saga.shard.fast.0", passive=True)
 
         asyncio.run(as_imported_user())
         asyncio.run(_apply(vhost, topo))
@@ -243,8 +246,8 @@ def test_topology_apply_command(vhost: str) -> None:
         command, check=False, env=env, cwd=ROOT, capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith("applied 6 exchanges, 29 queues, 36 bindings to amqp://guest:***@")
-    assert len(broker_queues(vhost)) == 29
+    assert result.stdout.startswith("applied 6 exchanges, 59 queues, 66 bindings to amqp://guest:***@")
+    assert len(broker_queues(vhost)) == 59
     again = subprocess.run(
         command, check=False, env=env, cwd=ROOT, capture_output=True, text=True, timeout=60
     )

@@ -67,7 +67,7 @@ def test_every_name_of_one_namespace_is_apart_from_another_namespace() -> None:
 
 @pytest.mark.parametrize("bad", ["", "Saga", "1abc", "a.b", "a b", "x" * 33])
 def test_a_namespace_is_a_plain_name(bad: str) -> None:
-    with pytest.raises(ValueError, match="namespace .* is not a valid name"):
+    with pytest.raises(ValueError, match=r"namespace .* is not a valid name"):
         Names(bad)
 
 

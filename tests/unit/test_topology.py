@@ -272,7 +272,9 @@ def test_definitions_format(topo: Topology) -> None:
 
 def test_definitions_order_is_natural() -> None:
     defs = to_definitions(build_topology(NAMES, ("fast",), 12, [], 20))
-    shards = [q["name"] for q in defs["queues"] if q["name"].startswith("saga.shard") and "dlq" not in q["name"]]
+    shards = [
+        q["name"] for q in defs["queues"] if q["name"].startswith("saga.shard") and "dlq" not in q["name"]
+    ]
     assert shards == [f"saga.shard.fast.{n}" for n in range(12)]
 
 
