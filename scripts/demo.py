@@ -24,29 +24,21 @@ import redis
 
 from orchestrator.client import Client
 from orchestrator.contracts import Registry
+from orchestrator.observe import status_view
 from orchestrator.provision import provision
 from orchestrator.settings import Settings
+from orchestrator.store.redis_store import RedisStore
+from orchestrator.views import LiveTable
 from workers.demo.effects import DemoWorld
 
 ROOT = Path(__file__).resolve().parent.parent
 LOGS = ROOT / ".demo"
-STAGES = [
-    "cache-lookup",
-    "cache-route",
-    "render-thumbnail",
-    "derive-fork",
-    "semantic-analysis",
-    "technical-metadata",
-    "derive-join",
-    "publish",
-]
 SLOW_MS = {
     "thumbnail.render": 700,
     "semantic.analyse": 900,
     "metadata.extract": 500,
     "catalogue.publish": 300,
 }
-ICONS = {"queued": "…", "running": "▶", "completed": "✔", "failed": "✘", "cancelled": "⊘", "-": " "}
 
 
 def check_services(settings: Settings) -> None:
@@ -87,37 +79,6 @@ def spawn(name: str, args: list[str], env: dict[str, str]) -> subprocess.Popen[b
     )
 
 
-class Table:
-    """A live stage table: redrawn in place on a terminal, printed once per change otherwise."""
-
-    def __init__(self) -> None:
-        self.tty = sys.stdout.isatty()
-        self.drawn = 0
-        self.last: list[str] = []
-
-    def show(self, status: dict[str, Any] | None, elapsed_s: float) -> None:
-        stages = (status or {}).get("stages", {})
-        state = (status or {}).get("state", "pending")
-        rows = []
-        for name in STAGES:
-            stage_state = stages.get(name, {}).get("state", "-")
-            rows.append(
-                f"   {ICONS.get(stage_state, '?')} {name:<20} {stage_state if stage_state != '-' else ''}"
-            )
-        header = f"  run {(status or {}).get('run_id', '…')}   state: {state}"
-        if not self.tty:
-            if rows != self.last:
-                print(f"{header}  (+{elapsed_s:.1f} s)\n" + "\n".join(rows), flush=True)
-            self.last = rows
-            return
-        lines = [f"{header:<60} {elapsed_s:5.1f} s", *rows]
-        if self.drawn:
-            sys.stdout.write(f"\x1b[{self.drawn}F")
-        sys.stdout.write("\n".join(f"{line}\x1b[K" for line in lines) + "\n")
-        sys.stdout.flush()
-        self.drawn = len(lines)
-
-
 async def run_one(settings: Settings) -> dict[str, Any]:
     model_id = f"model-{uuid.uuid4().hex[:6]}"
     world = DemoWorld(redis.Redis.from_url(settings.redis_url, decode_responses=True), settings.key_prefix)
@@ -128,18 +89,25 @@ async def run_one(settings: Settings) -> dict[str, Any]:
         run_id = await client.start("model-ingest", {"modelId": model_id})
         started = time.monotonic()
         status: dict[str, Any] | None = None
-        table = Table()
-        table.show(status, 0.0)
+        table = LiveTable(sys.stdout.isatty())  # the renderer of `saga watch`
+        store = RedisStore(client.redis, settings.key_prefix)
+        show(table.frame(status, 0.0))
         while status is None or status["state"] not in ("completed", "failed"):
             await asyncio.sleep(0.1)
             try:
-                status = await client.status(run_id)
+                status = await status_view(client.redis, settings, run_id, store=store)
             except Exception:
                 status = None
             if time.monotonic() - started > 60:
                 sys.exit(f"demo: run {run_id} did not finish in 60 s; see .demo/*.log")
-            table.show(status, time.monotonic() - started)
+            show(table.frame(status, time.monotonic() - started))
         return status
+
+
+def show(frame: str | None) -> None:
+    if frame is not None:
+        sys.stdout.write(frame)
+        sys.stdout.flush()
 
 
 def main() -> None:

@@ -21,9 +21,11 @@ TERMINAL_RUN_STATUSES = frozenset({RunStatus.COMPLETED, RunStatus.FAILED})
 
 
 class StageStatus(StrEnum):
-    """The seed's stage states."""
+    """A stage's state. ``dispatched``: its task is on its queue, or held by a worker that has not reported
+    acceptance (workers report it only for stages with a queue, execution or heartbeat clock); ``running``:
+    a worker reported acceptance (a join: its fork released the branches it waits for)."""
 
-    DISPATCHED = "queued"
+    DISPATCHED = "dispatched"
     RUNNING = "running"
     RETRY_SCHEDULED = "retry-scheduled"
     COMPLETED = "completed"

@@ -52,7 +52,8 @@ def test_publish_start_wait_status_history_and_runs(stack: Stack) -> None:
     } <= set(status)
     assert status["state"] == "completed" and status["intent"] == "completed"
     assert status["digest"] == published[0]["digest"]
-    assert status["stages"]["publish"] == {"state": "completed", "attempt": 1}
+    publish = status["stages"]["publish"]
+    assert (publish["state"], publish["attempt"]) == ("completed", 1)
 
     history = saga_json(stack, "history", run_id)
     assert history["run_id"] == run_id
@@ -70,9 +71,9 @@ def test_publish_start_wait_status_history_and_runs(stack: Stack) -> None:
         "finaliser.completed",
     } <= set(kinds)
 
-    listed = saga_json(stack, "runs", "--state", "completed")
+    listed = saga_json(stack, "runs", "--state", "completed")["runs"]
     assert any(r["run_id"] == run_id and r["definition"] == "model-ingest" for r in listed)
-    assert saga_json(stack, "runs", "--state", "failed") == []
+    assert saga_json(stack, "runs", "--state", "failed") == {"runs": []}
 
 
 def test_start_without_wait_is_pending_and_text_output_reads_well(stack: Stack) -> None:

@@ -281,7 +281,7 @@ def test_a_map_item_that_keeps_failing_is_retried_alone_then_fails_the_map_and_t
     first = sim.deliver_task("render-all", 2)
     # thumbnail-batch allows 2 attempts: only item 2 waits for its backoff, the map stays open
     assert first is not None and first.took_effect
-    assert stage_state(sim, "render-all") == "queued"
+    assert stage_state(sim, "render-all") == "dispatched"
     (scheduled,) = sim.entries("retry.scheduled", "render-all")
     assert scheduled["detail"]["item"] == 2 and scheduled["detail"]["next_attempt"] == 2
     sim.fire_next_timer()
@@ -600,7 +600,7 @@ def test_stale_result_is_rejected_and_the_current_one_accepted() -> None:
     )
     handled = sim.handle(stale)
     assert handled.verdict is Verdict.STALE
-    assert stage_state(sim, "cache-lookup") == "queued"
+    assert stage_state(sim, "cache-lookup") == "dispatched"
     assert sim.history[-1]["detail"]["reason"] == "stale"
     assert sim.handle(result).took_effect
 
@@ -665,7 +665,7 @@ def test_result_for_another_attempt_is_not_accepted() -> None:
     handled = sim.handle(wrong)
 
     assert handled.verdict is not Verdict.APPLIED
-    assert stage_state(sim, "cache-lookup") == "queued"
+    assert stage_state(sim, "cache-lookup") == "dispatched"
 
 
 def test_map_item_outside_the_bag_does_not_count() -> None:
@@ -704,7 +704,7 @@ def test_failure_report_for_a_map_item_that_already_arrived_is_a_duplicate() -> 
 
     assert not handled.took_effect
     assert "intent" not in sim.record
-    assert stage_state(sim, "render-all") == "queued"
+    assert stage_state(sim, "render-all") == "dispatched"
     sim.run()
     assert sim.status == "completed"
 

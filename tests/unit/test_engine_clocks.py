@@ -83,7 +83,7 @@ def test_a_late_report_of_a_retried_attempt_is_stale() -> None:
     late = report(sim.run_id, "render", str(first_task.body["fence"]), True, {"thumbnailUri": "x"})
     handled = sim.handle(late)
     assert handled.verdict is Verdict.STALE
-    assert sim.record["s:render:status"] == "queued" and sim.record["s:render:attempt"] == "2"
+    assert sim.record["s:render:status"] == "dispatched" and sim.record["s:render:attempt"] == "2"
 
 
 def test_a_permanent_failure_is_not_retried() -> None:

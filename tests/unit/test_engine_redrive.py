@@ -120,7 +120,7 @@ def test_a_poisoned_run_is_fenced_before_its_new_epoch() -> None:
     case = next(c for c in cases() if c.id == "failure-route[fail render, poison at 4]")
     sim = case.sim()
     in_flight = fail(sim, case, in_order)
-    assert sim.status == "failed" and sim.record["s:notify:status"] == "queued"
+    assert sim.status == "failed" and sim.record["s:notify:status"] == "dispatched"
     assert any(d.stage == "notify" for d in in_flight) and sim.store.timers
     sim.fail_stages = frozenset()
     assert sim.handle(Redrive("redrive-1")).took_effect

@@ -1,0 +1,262 @@
+"""``saga`` commands that only read: what a run is doing (``status``, ``watch``, ``wait``, ``history``) and
+which runs there are (``runs``). Registered on the main group by ``orchestrator.cli``; the reading is in
+``orchestrator.observe``, the text in ``orchestrator.views``."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+import click
+
+from orchestrator import observe, views
+from orchestrator.cli_runtime import _emit, _run, _settings
+from orchestrator.client import status_document
+from orchestrator.engine.model import RunStatus
+from orchestrator.settings import Settings, redis_client
+from orchestrator.store.redis_store import RedisStore
+
+#: ``saga wait`` / ``saga watch``: the run was still going when the timeout passed (it goes on).
+EXIT_STILL_RUNNING = 3
+_json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+
+
+@click.command()
+@click.argument("run_id")
+@click.option(
+    "--inputs",
+    is_flag=True,
+    help="Also show each work stage's input (bound again from the run's context and the results of the "
+    "stages it reads, as the orchestrator bound it).",
+)
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Print JSON: the run, 'stages' by name (state, attempt, result or error, a map's 'items', a "
+    "join's 'arrived', a decision's 'branch' and 'next', 'waiting' with its reason) and 'order', every "
+    "stage of the plan in plan order.",
+)
+def status(run_id: str, inputs: bool, as_json: bool) -> None:
+    """Show a run: its state and reason, then every stage of its pinned plan in plan order with its
+    state, attempt and result (a map's items done/total, a join's arrived branches, a decision's route).
+    A dispatched stage says why it waits when that is known: no worker consumes its queue, or another
+    task holds the serial lane. Exit 1 if the run is not known."""
+    settings = _settings()
+
+    async def go() -> tuple[dict[str, Any], str | None]:
+        client = redis_client(settings)
+        try:
+            async with observe.BrokerProbe(settings.amqp_url) as probe:
+                view = await observe.status_view(client, settings, run_id, inputs=inputs, probe=probe)
+                return view, probe.error
+        finally:
+            await client.aclose()
+
+    view, broker_error = _run(go())
+    if broker_error:
+        view["waiting_unknown"] = broker_error
+        click.echo(f"note: why dispatched stages wait is not known: {broker_error}", err=True)
+    if as_json:
+        _emit(view)
+        return
+    for line in views.status_lines(view, inputs=inputs):
+        click.echo(line)
+
+
+def _finished(document: dict[str, Any] | None, run_id: str, timeout_s: float | None) -> int:
+    """The exit code ``wait`` and ``watch`` share, and what they say on stderr when it is not 0."""
+    state = document["state"] if document else "pending"
+    if state == RunStatus.COMPLETED:
+        return 0
+    if state == RunStatus.FAILED:
+        click.echo(f"run {run_id} failed: {(document or {}).get('reason') or 'no reason recorded'}", err=True)
+        return 1
+    click.echo(
+        f"run {run_id} is still {state} after {timeout_s:g} s; it goes on: 'saga wait {run_id}' waits "
+        f"again, 'saga status {run_id}' shows what it waits for",
+        err=True,
+    )
+    return EXIT_STILL_RUNNING
+
+
+@click.command()
+@click.argument("run_id")
+@click.option(
+    "--timeout",
+    "timeout_s",
+    type=click.FloatRange(min=0),
+    default=60.0,
+    show_default=True,
+    help="Give up after this many seconds (exit 3; the run goes on).",
+)
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help='Print JSON: {"run_id", "state", "output", "reason", "timed_out"}.',
+)
+def wait(run_id: str, timeout_s: float, as_json: bool) -> None:
+    """Wait for a run to end (finalisers included). Exit 0 if it completed; 1 if it failed (its reason
+    on stderr) or is not known (after 5 s: a run just started may not be created yet); 3 if it is still
+    going when the timeout passes."""
+    settings = _settings()
+
+    async def go() -> dict[str, Any] | None:
+        client = redis_client(settings)
+        try:
+
+            async def read() -> dict[str, Any]:
+                return status_document(await observe.read_record(client, settings.key_prefix, run_id))
+
+            return await observe.follow(read, run_id, timeout_s=timeout_s, interval_s=0.1)
+        finally:
+            await client.aclose()
+
+    document = _run(go())
+    code = _finished(document, run_id, timeout_s)
+    state = document["state"] if document else "pending"
+    if as_json:
+        _emit(
+            {
+                "run_id": run_id,
+                "state": state,
+                "output": (document or {}).get("output"),
+                "reason": (document or {}).get("reason"),
+                "timed_out": code == EXIT_STILL_RUNNING,
+            }
+        )
+    elif code == 0:
+        click.echo(f"run {run_id} completed: output = {views.compact((document or {}).get('output'))}")
+    elif code == 1:
+        click.echo(f"run {run_id} failed")
+    sys.exit(code)
+
+
+@click.command()
+@click.argument("run_id")
+@click.option(
+    "--interval",
+    "interval_s",
+    type=click.FloatRange(min=0.05),
+    default=0.5,
+    show_default=True,
+    help="Seconds between readings.",
+)
+@click.option(
+    "--timeout",
+    "timeout_s",
+    type=click.FloatRange(min=0),
+    default=None,
+    help="Stop after this many seconds (exit 3; the run goes on). Default: until the run ends.",
+)
+def watch(run_id: str, interval_s: float, timeout_s: float | None) -> None:
+    """Follow a run live: every stage of its plan in plan order with its state (a map's items done/total,
+    a join waiting until a branch arrived) and why a dispatched stage waits, until the run ends. On a
+    terminal the table is redrawn in place; otherwise it is printed again only when a row changes. Exits
+    as 'saga wait' does: 0 completed, 1 failed or not known, 3 still going at --timeout."""
+    settings = _settings()
+    table = views.LiveTable(sys.stdout.isatty())
+
+    def show(document: dict[str, Any] | None, elapsed_s: float) -> None:
+        text = table.frame(document, elapsed_s)
+        if text is not None:
+            click.echo(text, nl=False)
+
+    document = _run(_watch(settings, run_id, interval_s, timeout_s, show))
+    sys.exit(_finished(document, run_id, timeout_s))
+
+
+async def _watch(
+    settings: Settings, run_id: str, interval_s: float, timeout_s: float | None, show: Any
+) -> dict[str, Any] | None:
+    client = redis_client(settings)
+    store = RedisStore(client, settings.key_prefix)  # one plan cache for every reading
+    try:
+        async with observe.BrokerProbe(settings.amqp_url) as probe:
+
+            async def read() -> dict[str, Any]:
+                return await observe.status_view(client, settings, run_id, probe=probe, store=store)
+
+            return await observe.follow(read, run_id, timeout_s=timeout_s, interval_s=interval_s, show=show)
+    finally:
+        await client.aclose()
+
+
+@click.command()
+@click.argument("run_id")
+@_json_option
+def history(run_id: str, as_json: bool) -> None:
+    """Show a run's durable history, event by event: sequence, time (ISO 8601, UTC), kind, stage,
+    attempt and the event's details."""
+    settings = _settings()
+
+    async def go() -> list[dict[str, Any]]:
+        client = redis_client(settings)
+        try:
+            return await observe.run_history(client, settings.key_prefix, run_id)
+        finally:
+            await client.aclose()
+
+    events = _run(go())
+    if as_json:
+        _emit({"run_id": run_id, "events": events})
+        return
+    for event in events:
+        click.echo(views.history_line(event))
+
+
+def _since(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
+    if value is None:
+        return None
+    try:
+        return views.parse_since(value, int(time.time() * 1000))
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from exc
+
+
+@click.command()
+@click.option(
+    "--state",
+    type=click.Choice([s.value for s in RunStatus]),
+    default=None,
+    help="Only runs in this state.",
+)
+@click.option("--definition", default=None, metavar="NAME", help="Only runs of this definition.")
+@click.option("--version", default=None, metavar="VERSION", help="Only runs of this definition version.")
+@click.option(
+    "--since",
+    "since_ms",
+    default=None,
+    metavar="WHEN",
+    callback=_since,
+    help="Only runs created since WHEN: an ISO 8601 datetime (UTC unless it has a zone) or a duration "
+    "back from now (90s, 15m, 2h, 1d, 1w).",
+)
+@click.option(
+    "--limit", type=click.IntRange(min=1), default=50, show_default=True, help="At most this many runs."
+)
+@click.option("--json", "as_json", is_flag=True, help='Print JSON: {"runs": [...]}.')
+def runs(
+    state: str | None,
+    definition: str | None,
+    version: str | None,
+    since_ms: int | None,
+    limit: int,
+    as_json: bool,
+) -> None:
+    """List runs of every shard, newest first: run id, definition, version, state, created and last
+    updated (ISO 8601, UTC) and reason."""
+    wanted = observe.RunFilter(state, definition, version, since_ms, limit)
+    found = _run(observe.list_runs(_settings(), wanted))
+    if as_json:
+        _emit({"runs": found})
+        return
+    for line in views.runs_lines(found):
+        click.echo(line)
+    if len(found) == limit:
+        click.echo(f"(the newest {limit}: raise --limit, or narrow with --since)", err=True)
+
+
+COMMANDS = [status, wait, watch, history, runs]
