@@ -1,7 +1,9 @@
 """The ``saga`` command line.
 
-Exit codes: 0 success, 1 the input is invalid (a definition has problems), 2 usage or configuration error
-(unknown option, missing file, a contracts module that cannot be loaded).
+Exit codes: 0 success, 1 the input is invalid or refused (a definition has problems, a run that is not
+there), 2 usage or configuration error (unknown option, missing file, a contracts module that cannot be
+loaded, a broker that cannot be reached). Commands raise; ``orchestrator.cli_errors`` shows every error in
+one shape (``error: ...`` on stderr, or with ``--json`` an error document on stdout).
 """
 
 from __future__ import annotations
@@ -23,13 +25,13 @@ import pydantic
 
 from orchestrator import deadletters
 from orchestrator.bus.topology import Topology, apply_topology, to_definitions, topology_for
+from orchestrator.cli_errors import CliError, CodedUsageError, SagaGroup
+from orchestrator.cli_options import registry_options
 from orchestrator.compiler import CompiledPlan, compile_text
 from orchestrator.compiler.mermaid import render_mermaid
 from orchestrator.contracts import Registry
-from orchestrator.errors import ContractError, ContractLoadError, DefinitionError, Problem
+from orchestrator.errors import ContractError, ContractLoadError, DefinitionError, Problem, SagaError
 from orchestrator.settings import Settings
-
-F = TypeVar("F", bound=Callable[..., Any])
 
 
 class Env:
@@ -50,7 +52,9 @@ class Env:
                 else:
                     self._registry = Registry.from_modules(self._modules)
             except (ContractLoadError, ContractError, OSError, ValueError, KeyError) as exc:
-                raise click.UsageError(str(exc)) from exc
+                if isinstance(exc, SagaError):
+                    raise CodedUsageError(exc.code, str(exc), exc.ids) from exc
+                raise CodedUsageError("registry_unreadable", str(exc)) from exc
         return self._registry
 
     def compile(self, path: str) -> CompiledPlan:
@@ -61,25 +65,6 @@ class Env:
                 [Problem(path, 1, "definition", f"cannot read file: {exc.strerror}")]
             ) from exc
         return compile_text(data, path, self.registry, self.settings.admission_limits())
-
-
-def registry_options(fn: F) -> F:
-    fn = click.option(
-        "--contracts",
-        "modules",
-        multiple=True,
-        metavar="MODULE",
-        help="Python module whose @action/@worker handlers are the contract registry (repeatable; "
-        "default: $SAGA_CONTRACTS or workers.demo).",
-    )(fn)
-    fn = click.option(
-        "--registry",
-        "registry_file",
-        type=click.Path(exists=True, dir_okay=False),
-        metavar="FILE",
-        help="A registry serialised by 'saga contracts export' instead of modules.",
-    )(fn)
-    return fn
 
 
 def _env(modules: tuple[str, ...], registry_file: str | None) -> Env:
@@ -95,17 +80,26 @@ def load_settings() -> Settings:
             f"SAGA_{'_'.join(str(p) for p in e['loc']).upper()}: {e['msg']} (got {e['input']!r})"
             for e in exc.errors(include_url=False)
         )
-        raise click.UsageError(f"invalid setting: {problems}") from exc
+        raise CodedUsageError("invalid_setting", f"invalid setting: {problems}") from exc
 
 
 def _emit_json(value: Any) -> None:
     click.echo(json.dumps(value, indent=2, sort_keys=True, ensure_ascii=False))
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.group(
+    cls=SagaGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100}
+)
 @click.version_option(package_name="saga-orchestrator", prog_name="saga")
 def main() -> None:
-    """saga-orchestrator: compile, validate and (soon) run versioned workflow definitions."""
+    """saga-orchestrator: versioned multi-stage workflows (sagas) on RabbitMQ and Redis.
+
+    Validate, compile and publish workflow definitions; declare the broker topology; run orchestrators
+    and worker pools; start, inspect, cancel and re-drive runs; repair stranded work and handle dead
+    letters. Settings come from SAGA_* variables (SAGA_AMQP_URL, SAGA_REDIS_URL, SAGA_NAMESPACE...).
+
+    Exit codes: 0 done, 1 refused, failed or not found, 2 usage or configuration error. With --json, an
+    error is {"error": {"code", "message", "ids"}} on stdout."""
 
 
 @main.command()
@@ -195,25 +189,19 @@ def contracts_export(modules: tuple[str, ...], registry_file: str | None) -> Non
 
 
 def _compile_or_exit(env: Env, file: str) -> CompiledPlan:
-    try:
-        return env.compile(file)
-    except DefinitionError as exc:
-        print_problems(exc)
-        sys.exit(1)
-
-
-def print_problems(exc: DefinitionError) -> None:
-    for problem in exc.problems:
-        click.echo(str(problem), err=True)
+    """The plan; an invalid definition raises DefinitionError, which the group shows (its problems, or
+    with --json the error document) and exits 1."""
+    return env.compile(file)
 
 
 # ---- saga topology ---------------------------------------------------------------------------------------
 
 
-class _BrokerError(click.ClickException):
+class _BrokerError(CliError):
     """A broker that cannot be reached or refuses the topology: a configuration error (exit 2)."""
 
-    exit_code = 2
+    def __init__(self, message: str, code: str = "broker_unreachable") -> None:
+        super().__init__(code, message, exit_code=2)
 
 
 def _redacted(url: str) -> str:
@@ -232,7 +220,7 @@ def _topology_of(env: Env) -> Topology:
     try:
         return topology_for(env.settings, env.registry)
     except ValueError as exc:
-        raise _BrokerError(f"cannot build the broker topology: {exc}") from exc
+        raise _BrokerError(f"cannot build the broker topology: {exc}", "topology_invalid") from exc
 
 
 def _broker_reason(exc: BaseException, url: str) -> str:
@@ -264,7 +252,8 @@ async def _apply_topology(url: str, topology: Topology) -> None:
         raise _BrokerError(
             f"RabbitMQ at {_redacted(url)} refused the topology: {_broker_reason(exc, url)} (an exchange or "
             "queue that exists with other arguments keeps them: change it with a policy, or delete it and "
-            "apply again)"
+            "apply again)",
+            "broker_refused",
         ) from exc
     finally:
         await connection.close()
@@ -337,7 +326,7 @@ def _dead_letter_queues(queue: str | None, modules: tuple[str, ...], registry_fi
         try:
             return [deadletters.require_dead_letter_queue(queue, load_settings().names())]
         except deadletters.NotADeadLetterQueue as exc:
-            raise click.BadParameter(str(exc), param_hint="--queue") from exc
+            raise CodedUsageError(exc.code, f"Invalid value for '--queue': {exc}") from exc
     return deadletters.dead_letter_queues(_topology_of(_env(modules, registry_file)), load_settings().names())
 
 
@@ -359,15 +348,13 @@ def _on_broker(call: Callable[[aio_pika.abc.AbstractConnection], Awaitable[T]]) 
         try:
             return await call(connection)
         except broker_errors as exc:
-            raise _BrokerError(f"RabbitMQ at {_redacted(url)} failed: {_broker_reason(exc, url)}") from exc
+            raise _BrokerError(
+                f"RabbitMQ at {_redacted(url)} failed: {_broker_reason(exc, url)}", "broker_failed"
+            ) from exc
         finally:
             await connection.close()
 
-    try:
-        return asyncio.run(go())
-    except deadletters.DeadLetterError as exc:
-        click.echo(f"error: {exc}", err=True)
-        sys.exit(1)
+    return asyncio.run(go())  # a DeadLetterError (exit 1) is shown by the group
 
 
 def _count(n: int, noun: str) -> str:
@@ -413,10 +400,11 @@ _queue_option = click.option(
 
 @main.group(name="dead-letters")
 def dead_letters() -> None:
-    """Messages the broker dead-lettered (every <queue>.dlq) or saga refused (saga.rejected).
+    """Messages the broker dead-lettered (every <namespace>.<queue>.dlq) or saga refused
+    (<namespace>.rejected), in the namespace of $SAGA_NAMESPACE only.
 
     Reading never consumes: messages are read without acking and handed back, in order, when the
-    command's channel closes."""
+    command's channel closes. Only 'replay' and 'purge' remove anything."""
 
 
 @dead_letters.command(name="list")
@@ -429,7 +417,8 @@ def dead_letters() -> None:
 def dead_letters_list(
     queue: str | None, limit: int, as_json: bool, modules: tuple[str, ...], registry_file: str | None
 ) -> None:
-    """Per queue: its count, and per message its id, kind, run, stage, reason and original queue."""
+    """Per queue: its count, and per message its id, kind, run, stage, reason and original queue. Text
+    shows the queues that hold messages (or are not declared), then a summary on stderr."""
     queues = _dead_letter_queues(queue, modules, registry_file)
     listings = _on_broker(lambda c: deadletters.list_queues(c, queues, limit, missing_ok=queue is None))
     if as_json:
@@ -451,7 +440,12 @@ def dead_letters_list(
     for listing in shown:
         _print_listing(listing)
     total = sum(q.count for q in listings)
-    click.echo(f"{_count(total, 'dead letter')} in {_count(len(listings), 'queue')}", err=True)
+    holding = sum(1 for q in listings if q.count)
+    click.echo(
+        f"{_count(total, 'dead letter')} in {_count(holding, 'queue')} "
+        f"({_count(len(listings), 'dead-letter queue')} of namespace {load_settings().namespace!r} read)",
+        err=True,
+    )
 
 
 @dead_letters.command(name="show")
@@ -511,10 +505,37 @@ def dead_letters_replay(
     sys.exit(1 if failed else 0)
 
 
-def _register_runtime_commands() -> None:
-    from orchestrator.cli_runtime import COMMANDS  # after main exists: cli_runtime imports from here
+@dead_letters.command(name="purge")
+@_queue_option
+@click.option("--yes", is_flag=True, help="Yes: delete the messages for good (required).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@registry_options
+def dead_letters_purge(
+    queue: str | None, yes: bool, as_json: bool, modules: tuple[str, ...], registry_file: str | None
+) -> None:
+    """Delete every message on the namespace's dead-letter queues (or --queue) for good, and say how
+    many each held. Refuses without --yes (exit 2); 'list' shows first what would go."""
+    if not yes:
+        raise click.UsageError("purge deletes dead letters for good: pass --yes (see them first with 'list')")
+    queues = _dead_letter_queues(queue, modules, registry_file)
+    purged = _on_broker(lambda c: deadletters.purge(c, queues, missing_ok=queue is None))
+    if as_json:
+        _emit_json({"queues": [{"queue": p.queue, "exists": p.exists, "purged": p.removed} for p in purged]})
+        return
+    for item in purged:
+        if item.removed or queue is not None:
+            click.echo(f"purged {_count(item.removed, 'message')} from {item.queue}")
+    total = sum(p.removed for p in purged)
+    holding = sum(1 for p in purged if p.removed)
+    click.echo(f"purged {_count(total, 'dead letter')} from {_count(holding, 'queue')}", err=True)
 
-    for command in COMMANDS:
+
+def _register_runtime_commands() -> None:
+    # after main exists: cli_runtime (and cli_observe, through it) import from here
+    from orchestrator.cli_observe import COMMANDS as OBSERVE_COMMANDS
+    from orchestrator.cli_runtime import COMMANDS
+
+    for command in [*COMMANDS, *OBSERVE_COMMANDS]:
         main.add_command(command)
 
 

@@ -1,5 +1,6 @@
-"""``saga`` commands that talk to RabbitMQ and Redis: run processes, publish definitions, start and
-inspect runs. Registered on the main group by ``orchestrator.cli``."""
+"""``saga`` commands that talk to RabbitMQ and Redis: run processes, publish definitions, start, cancel,
+re-drive and reconcile runs (the read-only ones are in ``orchestrator.cli_observe``). Registered on the
+main group by ``orchestrator.cli``."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ import signal
 import socket
 import sys
 import time
-from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 import aio_pika
@@ -22,15 +22,16 @@ import redis
 from orchestrator.bus import names
 from orchestrator.bus.envelope import Signer
 from orchestrator.bus.publisher import Publisher
-from orchestrator.client import Client, RunNotFound, WaitTimeout
+from orchestrator.cli_errors import CliError, CodedUsageError
+from orchestrator.cli_options import registry_options
+from orchestrator.client import Client, RedriveRefused
 from orchestrator.durability import DurabilityRefused, Role, check_startup
-from orchestrator.errors import SagaError
+from orchestrator.observe import RunFilter, list_runs
 from orchestrator.provision import publish_plans
 from orchestrator.reconcile import Reconciler, Report
 from orchestrator.settings import Settings, redis_client
 from orchestrator.shard.processor import Processor
 from orchestrator.shard.service import ShardOptions, ShardService
-from orchestrator.store.keys import ShardKeys
 from orchestrator.store.redis_store import RedisStore
 
 if TYPE_CHECKING:
@@ -47,16 +48,21 @@ def _emit(value: Any) -> None:
     click.echo(json.dumps(value, indent=2, sort_keys=True, ensure_ascii=False))
 
 
-def _unreachable(exc: BaseException) -> click.ClickException:
-    return click.ClickException(
-        f"cannot reach RabbitMQ or Redis: {exc}; check SAGA_AMQP_URL / SAGA_REDIS_URL"
-    )
+def _unreachable(exc: BaseException) -> CliError:
+    if isinstance(exc, redis.exceptions.ConnectionError):
+        code, which = "redis_unreachable", "Redis"
+    elif isinstance(exc, aio_pika.exceptions.AMQPConnectionError):
+        code, which = "broker_unreachable", "RabbitMQ"
+    else:
+        code, which = "unreachable", "RabbitMQ or Redis"
+    return CliError(code, f"cannot reach {which}: {exc}; check SAGA_AMQP_URL / SAGA_REDIS_URL")
 
 
-class _Refused(click.ClickException):
+class _Refused(CliError):
     """Production mode refuses these settings: a configuration error (exit 2)."""
 
-    exit_code = 2
+    def __init__(self, message: str) -> None:
+        super().__init__("durability_refused", message, exit_code=2)
 
 
 def _require_durability(settings: Settings, role: Role) -> None:
@@ -143,10 +149,11 @@ def orchestrator(shard_class: str | None, shards: str, verbose: bool) -> None:
     _serve(make)
 
 
-class _MissingTopology(click.ClickException):
+class _MissingTopology(CliError):
     """The broker lacks the namespace's exchanges: a configuration error (exit 2), said in one line."""
 
-    exit_code = 2
+    def __init__(self, message: str) -> None:
+        super().__init__("topology_missing", message, exit_code=2)
 
 
 def _handlers_of_apps(apps: tuple[str, ...]) -> dict[str, Handler]:
@@ -157,9 +164,10 @@ def _handlers_of_apps(apps: tuple[str, ...]) -> dict[str, Handler]:
         try:
             module = importlib.import_module(app)
         except Exception as exc:
-            raise click.UsageError(
+            raise CodedUsageError(
+                "app_not_importable",
                 f"cannot import --app {app!r}: {type(exc).__name__}: {exc} (the module must be importable: "
-                "installed, or under the current directory with PYTHONPATH=.)"
+                "installed, or run with PYTHONPATH=. from the directory holding it)",
             ) from exc
         found = handlers_of(module)
         if not found:
@@ -187,7 +195,9 @@ def _where(handler: Handler) -> str:
     multiple=True,
     default=("workers.demo",),
     show_default=True,
-    help="Module with @action/@worker handlers (repeatable: one process may serve several apps).",
+    metavar="MODULE",
+    help="Module with @action/@worker handlers (repeatable: one process may serve several apps). It "
+    "must be importable: installed, or run with PYTHONPATH=. from the directory holding it.",
 )
 @click.option(
     "--queue",
@@ -262,26 +272,24 @@ def definitions() -> None:
 @definitions.command(name="publish")
 @click.argument("files", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-def definitions_publish(files: tuple[str, ...], as_json: bool) -> None:
-    """Compile, store the plan by digest, and make it the version new runs use."""
-    from orchestrator.cli import Env, print_problems
-    from orchestrator.errors import DefinitionError
+@registry_options
+def definitions_publish(
+    files: tuple[str, ...], as_json: bool, modules: tuple[str, ...], registry_file: str | None
+) -> None:
+    """Compile each FILE (against --contracts modules, like 'saga validate'), store its plan by digest
+    in Redis and make it the version new runs of its definition use. An invalid definition exits 1 with
+    its problems; the files before it stay published."""
+    from orchestrator.cli import Env  # after main exists: cli imports this module
 
     settings = _settings()
-    env = Env(settings, (), None)
-    client = redis.Redis.from_url(settings.redis_url, decode_responses=True)
+    env = Env(settings, modules, registry_file)
     published = []
     for path in files:
-        try:
-            plan = env.compile(path)
-        except DefinitionError as exc:
-            print_problems(exc)
-            sys.exit(1)
-        asyncio.run(publish_plans(settings, [plan]))
+        plan = env.compile(path)  # a DefinitionError is shown by the saga group
+        _run(publish_plans(settings, [plan]))
         published.append(
             {"file": path, "definition": plan.name, "version": plan.version, "digest": plan.digest}
         )
-    client.close()
     if as_json:
         _emit(published)
     else:
@@ -291,8 +299,14 @@ def definitions_publish(files: tuple[str, ...], as_json: bool) -> None:
 
 @click.command()
 @click.argument("definition")
-@click.option("--context", "context_json", default="{}", help="The run's context, as JSON.")
-@click.option("--idempotency-key", default=None, help="The same key never starts two runs.")
+@click.option(
+    "--context", "context_json", default="{}", metavar="JSON", help="The run's context, a JSON object."
+)
+@click.option(
+    "--idempotency-key",
+    default=None,
+    help="The same key and context always give the same run; the key with another context is refused.",
+)
 @click.option(
     "--wait",
     "wait_s",
@@ -306,7 +320,10 @@ def definitions_publish(files: tuple[str, ...], as_json: bool) -> None:
 def start(
     definition: str, context_json: str, idempotency_key: str | None, wait_s: float | None, as_json: bool
 ) -> None:
-    """Start a run of DEFINITION's active version."""
+    """Start a run of DEFINITION's active version and print its id (with --wait, its end). Checked
+    before anything is sent, exit 1 with every problem: a DEFINITION that is not published (with the
+    closest published name), a context its schema refuses, a start too large to send, an
+    --idempotency-key already used with another context. With --wait, exit 1 if the run failed."""
     try:
         context = json.loads(context_json)
     except json.JSONDecodeError as exc:
@@ -335,36 +352,16 @@ def start(
 
 @click.command()
 @click.argument("run_id")
-@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-def status(run_id: str, as_json: bool) -> None:
-    """Show a run's state, intent and stages."""
-    settings = _settings()
-
-    async def go() -> dict[str, Any]:
-        async with Client(settings) as client:
-            return await client.status(run_id)
-
-    document = _run(go())
-    if as_json:
-        _emit(document)
-        return
-    click.echo(
-        f"{document['run_id']}  {document['definition']} {document['version']}  {document['state']}"
-        + (f"  ({document['reason']})" if document["reason"] else "")
-    )
-    for name, stage in document["stages"].items():
-        click.echo(f"  {name:<24} {stage['state']:<10} attempt {stage['attempt']}")
-
-
-@click.command()
-@click.argument("run_id")
 @click.option("--reason", default="", help="Why: recorded in the run's history and reason.")
-@click.option("--wait", "wait_s", type=float, default=None, help="Wait up to S seconds for the run to end.")
+@click.option(
+    "--wait", "wait_s", type=float, default=None, metavar="S", help="Wait up to S seconds for the run to end."
+)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def cancel(run_id: str, reason: str, wait_s: float | None, as_json: bool) -> None:
     """Cancel a run: it gets the failed intent with reason 'cancelled', its running stages are asked to
-    stop, and its finalisers run. Exit 0 once the request is with the broker (or, with --wait, once the
-    run has ended)."""
+    stop, and its compensations and finalisers run. Exit 0 once the request is with the broker (or, with
+    --wait, once the run has ended); exit 1, nothing sent, for a run that has ended or is already
+    ending (the error says its state)."""
     settings = _settings()
     requested_by = f"{getpass.getuser()}@{socket.gethostname()}"
 
@@ -391,7 +388,12 @@ def cancel(run_id: str, reason: str, wait_s: float | None, as_json: bool) -> Non
 @click.option("--definition", default=None, help="With --all: runs of this definition only.")
 @click.option("--reason", default="", help="Why: recorded in the run's history.")
 @click.option(
-    "--wait", "wait_s", type=float, default=None, help="Also wait up to S seconds for the new epoch to end."
+    "--wait",
+    "wait_s",
+    type=float,
+    default=None,
+    metavar="S",
+    help="Also wait up to S seconds for the new epoch to end.",
 )
 @click.option(
     "--undo-lost",
@@ -413,8 +415,8 @@ def redrive(
     """Resume a failed run (or, with --all, every matching one) in a new epoch on its pinned plan:
     completed stages keep their results; failed, cancelled, timed-out and compensated stages run again;
     finalisers run once more. Prints what the run's orchestrator did with each request: 'redriven
-    (epoch N)', or why it refused. Exit 0 when every request was applied (and, with --wait, every run
-    completed), 1 otherwise."""
+    (epoch N)', or why it refused; a run that is not failed is refused at once, nothing sent, with its
+    state. Exit 0 when every request was applied (and, with --wait, every run completed), 1 otherwise."""
     if bulk == (run_id is not None):
         raise click.UsageError("name one RUN, or use --all (with --state and --definition)")
     if bulk and state != "failed":
@@ -426,7 +428,7 @@ def redrive(
         async with Client(settings) as client:
             chosen = [run_id] if run_id else await _failed_runs(settings, definition)
             requests = [
-                (one, await client.redrive(one, reason, requested_by, undo_lost=undo_lost)) for one in chosen
+                (one, await _request_redrive(client, one, reason, requested_by, undo_lost)) for one in chosen
             ]
             return [await _redrive_report(client, one, request, wait_s) for one, request in requests]
 
@@ -442,7 +444,22 @@ def redrive(
     sys.exit(0 if ok else 1)
 
 
-async def _redrive_report(client: Client, run_id: str, request: str, wait_s: float | None) -> dict[str, Any]:
+async def _request_redrive(
+    client: Client, run_id: str, reason: str, requested_by: str, undo_lost: bool
+) -> str | RedriveRefused:
+    """The request's id, or the client's refusal (a run that is not failed): reported like the
+    orchestrator's refusals, so one run's refusal does not hide what became of the others."""
+    try:
+        return await client.redrive(run_id, reason, requested_by, undo_lost=undo_lost)
+    except RedriveRefused as exc:
+        return exc
+
+
+async def _redrive_report(
+    client: Client, run_id: str, request: str | RedriveRefused, wait_s: float | None
+) -> dict[str, Any]:
+    if isinstance(request, RedriveRefused):
+        return {"run_id": run_id, "request": None, "redriven": False, "refused": request.why}
     answer = await client.answer(run_id, request, timeout_s=REQUEST_ANSWER_S)
     report: dict[str, Any] = {"run_id": run_id, "request": request, "redriven": answer.applied}
     if not answer.applied:
@@ -519,79 +536,9 @@ def reconcile(dry_run: bool, min_age_s: float, stranded_after_s: float, as_json:
         click.echo(f"  stranded run {run_id}")
 
 
-@click.command()
-@click.argument("run_id")
-@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-def history(run_id: str, as_json: bool) -> None:
-    """Show a run's durable history, event by event."""
-    settings = _settings()
-
-    async def go() -> list[dict[str, Any]]:
-        client = redis_client(settings)
-        try:
-            store = RedisStore(client, settings.key_prefix)
-            shard = await store.owner(run_id)
-            if shard is None:
-                raise RunNotFound(run_id)
-            return await store.history(shard, run_id)
-        finally:
-            await client.aclose()
-
-    events = _run(go())
-    if as_json:
-        _emit({"run_id": run_id, "events": events})
-        return
-    for e in events:
-        extra = {k: v for k, v in e.items() if k not in ("seq", "id", "at", "kind", "stage", "attempt")}
-        where = e["stage"] or ""
-        detail = json.dumps(extra) if extra else ""
-        click.echo(f"{e['seq']:>4} {_clock(e['at'])} {e['kind']:<22} {where:<22} {detail}")
-
-
-@click.command()
-@click.option("--state", "state", default=None, help="Only runs in this state.")
-@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-def runs(state: str | None, as_json: bool) -> None:
-    """List runs (all shards), newest first."""
-    found = _run(_list_runs(_settings(), state))
-    if as_json:
-        _emit(found)
-        return
-    for r in found:
-        click.echo(f"{r['run_id']}  {r['definition']:<20} {r['state']:<10} {r['shard']}")
-
-
 async def _list_runs(settings: Settings, state: str | None) -> list[dict[str, Any]]:
-    """Runs on every shard (in ``state``, if given), newest first: one pipelined read per shard."""
-    client = redis_client(settings)
-    try:
-        found = []
-        for shard in names.parse_shards("", settings.shard_classes, settings.shard_count):
-            keys = ShardKeys(settings.key_prefix, shard)
-            run_ids = await client.zrange(keys.runs(), 0, -1)
-            async with client.pipeline(transaction=False) as pipe:
-                for run_id in run_ids:
-                    pipe.hmget(keys.run(run_id), ["definition", "status", "created_at"])
-                rows = await pipe.execute()
-            for run_id, (definition, status, created_at) in zip(run_ids, rows, strict=True):
-                if status is None or (state and status != state):
-                    continue  # expired, or not the state asked for
-                found.append(
-                    {
-                        "run_id": run_id,
-                        "definition": definition,
-                        "state": status,
-                        "created_at": int(created_at or 0),
-                        "shard": shard,
-                    }
-                )
-        return sorted(found, key=lambda r: -r["created_at"])
-    finally:
-        await client.aclose()
-
-
-def _clock(at_ms: int) -> str:
-    return datetime.fromtimestamp(at_ms / 1000, UTC).strftime("%H:%M:%S.%f")[:-3]
+    """Runs on every shard (in ``state``, if given), newest first."""
+    return await list_runs(settings, RunFilter(state=state))
 
 
 # How long a request waits for its orchestrator's answer (recorded in the run's history) before the CLI
@@ -600,13 +547,14 @@ REQUEST_ANSWER_S = 30.0
 
 
 def _run(coro: Any) -> Any:
+    """Run a command's coroutine. A SagaError it raises (a run not found, a start refused...) goes up to
+    the ``saga`` group, which shows it (text or the --json error document) and exits 1; connection
+    failures become one error that names the settings to check."""
     try:
         return asyncio.run(coro)
-    except (RunNotFound, WaitTimeout, SagaError) as exc:
-        click.echo(f"error: {exc}", err=True)
-        sys.exit(1)
     except (aio_pika.exceptions.AMQPConnectionError, redis.exceptions.ConnectionError, OSError) as exc:
         raise _unreachable(exc) from exc
 
 
-COMMANDS = [orchestrator, worker, definitions, start, status, history, runs, cancel, redrive, reconcile]
+# the read-only run commands (status, wait, watch, history, runs) are cli_observe's
+COMMANDS = [orchestrator, worker, definitions, start, cancel, redrive, reconcile]

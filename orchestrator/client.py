@@ -9,10 +9,12 @@ creates a run only once, so a start sent twice (a retry after a timeout) starts 
 from __future__ import annotations
 
 import asyncio
+import difflib
+import hashlib
 import json
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +27,15 @@ from orchestrator.engine.door import start_problems
 from orchestrator.engine.model import TERMINAL_RUN_STATUSES, RunSnapshot, RunStatus
 from orchestrator.errors import SagaError
 from orchestrator.settings import Settings, redis_client
-from orchestrator.store.keys import ShardKeys, active_key, index_key, plan_key
+from orchestrator.store.keys import (
+    ShardKeys,
+    active_key,
+    active_pattern,
+    definition_of_active_key,
+    index_key,
+    plan_key,
+)
+from orchestrator.store.keys import idempotency_key as claim_key
 from orchestrator.store.spec import snapshot_from_record
 
 RUN_NAMESPACE = uuid.UUID("6f1d2c3e-5a4b-4c8d-9e7f-0a1b2c3d4e5f")
@@ -33,6 +43,9 @@ RUN_NAMESPACE = uuid.UUID("6f1d2c3e-5a4b-4c8d-9e7f-0a1b2c3d4e5f")
 
 class RunNotFound(SagaError):
     """Raised when a run id is not known (never started, or expired after its retention)."""
+
+    code = "run_not_found"
+    id_fields = ("run_id",)
 
     def __init__(self, run_id: str) -> None:
         self.run_id = run_id
@@ -42,6 +55,9 @@ class RunNotFound(SagaError):
 class StartRefused(SagaError):
     """Raised when a start cannot be sent: its context does not fit the definition's context schema, or
     it (or a task it would cause) is too large for a message. Nothing was published."""
+
+    code = "start_refused"
+    id_fields = ("definition",)
 
     def __init__(self, definition: str, problems: list[str]) -> None:
         self.definition = definition
@@ -54,9 +70,13 @@ class NoAnswer(SagaError):
     """Raised when no orchestrator recorded an answer to a request in time; the request still waits on
     the run's shard queue and will be handled once an orchestrator serves that shard."""
 
+    code = "no_answer"
+    id_fields = ("run_id", "request_id", "shard")
+
     def __init__(self, run_id: str, request_id: str, shard: str, timeout_s: float) -> None:
         self.run_id = run_id
         self.request_id = request_id
+        self.shard = shard
         super().__init__(
             f"no answer to request {request_id} for run {run_id} within {timeout_s:g} s; it waits on "
             f"shard {shard}'s queue: is an orchestrator serving {shard}?"
@@ -91,11 +111,119 @@ def answer_of(entry: Mapping[str, str], request_id: str) -> RequestAnswer | None
 class WaitTimeout(SagaError):
     """Raised when a run is still going when ``wait`` gives up; the run itself goes on."""
 
+    code = "wait_timeout"
+    id_fields = ("run_id", "state")
+
     def __init__(self, run_id: str, state: str, timeout_s: float) -> None:
         self.run_id = run_id
+        self.state = state
         super().__init__(
-            f"run {run_id} is still {state} after {timeout_s:g} s; wait again or check its history"
+            f"run {run_id} is still {state} after {timeout_s:g} s; it goes on: 'saga wait {run_id}' waits "
+            f"again, 'saga status {run_id}' shows what it waits for"
         )
+
+
+class DefinitionNotFound(SagaError):
+    """Raised when a start names a definition that has no active version; ``did_you_mean`` is the
+    published name closest to it, if one is close."""
+
+    code = "definition_not_found"
+    id_fields = ("definition", "did_you_mean")
+
+    def __init__(self, definition: str, published: Iterable[str] = ()) -> None:
+        self.definition = definition
+        close = difflib.get_close_matches(definition, sorted(published), n=1)
+        self.did_you_mean = close[0] if close else None
+        hint = f" (did you mean {self.did_you_mean!r}?)" if self.did_you_mean else ""
+        super().__init__(
+            f"definition {definition!r} is not published{hint}; run 'saga definitions publish FILE'"
+        )
+
+
+class ActivePlanMissing(SagaError):
+    """Raised when a definition's active digest names a plan that is not in Redis."""
+
+    code = "plan_not_found"
+    id_fields = ("definition", "digest")
+
+    def __init__(self, definition: str, digest: str) -> None:
+        self.definition = definition
+        self.digest = digest
+        super().__init__(
+            f"plan {digest} of {definition!r} is missing from Redis; publish the definition again"
+        )
+
+
+class ActivePlanUnknown(SagaError):
+    """Raised when Redis cannot be read and this client never resolved the definition's active version."""
+
+    code = "redis_unreachable"
+    id_fields = ("definition",)
+
+    def __init__(self, definition: str, exc: Exception) -> None:
+        self.definition = definition
+        super().__init__(
+            f"cannot resolve the active version of {definition!r}: Redis is unreachable ({exc}) and this "
+            "client has not resolved it before; check SAGA_REDIS_URL"
+        )
+
+
+class IdempotencyConflict(SagaError):
+    """Raised when an idempotency key already started a run with another context: the key names that
+    run, so this start would silently get it. Nothing was published."""
+
+    code = "idempotency_conflict"
+    id_fields = ("definition", "idempotency_key", "run_id", "claimed_digest", "context_digest")
+
+    def __init__(
+        self, definition: str, key: str, run_id: str, claimed_digest: str, context_digest: str
+    ) -> None:
+        self.definition = definition
+        self.idempotency_key = key
+        self.run_id = run_id
+        self.claimed_digest = claimed_digest
+        self.context_digest = context_digest
+        super().__init__(
+            f"idempotency key {key!r} of {definition!r} already started run {run_id} with another context "
+            f"(its context {claimed_digest}, this one {context_digest}); nothing was sent: use a new key "
+            "for a new context, or the same context to get the same run"
+        )
+
+
+class CancelRefused(SagaError):
+    """Raised when a run asked to be cancelled has ended, or is already ending with an intent: a cancel
+    would change nothing. Nothing was published."""
+
+    code = "cancel_refused"
+    id_fields = ("run_id", "state", "intent")
+
+    def __init__(self, run_id: str, state: str, intent: str | None, reason: str | None) -> None:
+        self.run_id = run_id
+        self.state = state
+        self.intent = intent
+        why = f" ({reason})" if reason else ""
+        if RunStatus(state) in TERMINAL_RUN_STATUSES:
+            what = f"run {run_id} is {state}{why}: it has ended, so there is nothing to cancel"
+        else:
+            what = (
+                f"run {run_id} is {state} with the {intent} intent{why}: it is already ending, and a "
+                "cancel would change nothing"
+            )
+        super().__init__(f"{what}; nothing was sent")
+
+
+class RedriveRefused(SagaError):
+    """Raised when a run asked to be re-driven is not failed (only a failed run can be). Nothing was
+    published; ``why`` is the reason without the run's id."""
+
+    code = "redrive_refused"
+    id_fields = ("run_id", "state")
+
+    def __init__(self, run_id: str, state: str) -> None:
+        self.run_id = run_id
+        self.state = state
+        self.why = f"only a failed run can be re-driven; run {run_id} is {state} (nothing was sent)"
+        super().__init__(f"re-drive of {run_id} refused: {self.why}")
 
 
 @dataclass(frozen=True)
@@ -202,15 +330,16 @@ class ActivePlans:
         return plan
 
 
-def active_plan_from(definition: str, digest: Any, raw_plan: Any) -> ActivePlan:
-    """Interpret the two Redis reads (active digest, stored plan) or say what to do."""
+def active_plan_from(
+    definition: str, digest: Any, raw_plan: Any, published: Iterable[str] = ()
+) -> ActivePlan:
+    """Interpret the two Redis reads (active digest, stored plan) or say what to do; ``published`` (the
+    definitions that have an active version) is read only when ``digest`` is None, for a suggestion."""
     if digest is None:
-        raise SagaError(f"definition {definition!r} is not published; run 'saga definitions publish FILE'")
-    if raw_plan is None:
-        raise SagaError(
-            f"plan {digest} of {definition!r} is missing from Redis; publish the definition again"
-        )
+        raise DefinitionNotFound(definition, published)
     text = digest.decode() if isinstance(digest, bytes) else str(digest)
+    if raw_plan is None:
+        raise ActivePlanMissing(definition, text)
     plan = json.loads(raw_plan)["plan"]
     return ActivePlan(text, str(plan["class"]), plan)
 
@@ -246,10 +375,30 @@ def checked_start(
 
 
 def unreachable_without_cache(definition: str, exc: Exception) -> SagaError:
-    return SagaError(
-        f"cannot resolve the active version of {definition!r}: Redis is unreachable ({exc}) and this "
-        "client has not resolved it before; check SAGA_REDIS_URL"
-    )
+    return ActivePlanUnknown(definition, exc)
+
+
+def context_digest(context: Mapping[str, Any]) -> str:
+    """The digest an idempotency key is claimed with: of the context's canonical JSON."""
+    text = json.dumps(context, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    return f"sha256:{hashlib.sha256(text.encode()).hexdigest()}"
+
+
+def check_claim(envelope: Envelope, key: str, claimed: Any) -> None:
+    """Raise :class:`IdempotencyConflict` unless ``claimed`` (what the key's claim held before this start:
+    None if this start made it) is the digest of ``envelope``'s context."""
+    if claimed is None:
+        return
+    held = claimed.decode() if isinstance(claimed, bytes) else str(claimed)
+    digest = context_digest(envelope.body["context"])
+    if held != digest:
+        definition = str(envelope.body["definition"])
+        raise IdempotencyConflict(definition, key, envelope.run_id, held, digest)
+
+
+def published_names(prefix: str, keys: Iterable[Any]) -> list[str]:
+    """The definitions with an active version, from the keys :func:`active_pattern` matched."""
+    return sorted(definition_of_active_key(prefix, k.decode() if isinstance(k, bytes) else k) for k in keys)
 
 
 class Client:
@@ -286,17 +435,44 @@ class Client:
             if last is None:
                 raise unreachable_without_cache(definition, exc) from exc
             return last
+        if digest is None:
+            raise DefinitionNotFound(definition, await self._published())
         return self._plans.put(definition, active_plan_from(definition, digest, raw), now)
+
+    async def _published(self) -> list[str]:
+        """The definitions with an active version (for a suggestion: none if Redis fails now)."""
+        prefix = self.settings.key_prefix
+        try:
+            keys = [k async for k in self.redis.scan_iter(match=active_pattern(prefix), count=1000)]
+        except redis.RedisError:
+            return []
+        return published_names(prefix, keys)
+
+    async def _claim(self, envelope: Envelope, key: str | None) -> None:
+        """Claim an idempotency key with the context's digest before the start is sent (SET NX GET, with
+        the run retention as TTL), so the key never quietly gives a run started with another context.
+        With Redis unreachable the start goes on unchecked, as starts do then."""
+        if key is None:
+            return
+        name = claim_key(self.settings.key_prefix, envelope.run_id)
+        digest = context_digest(envelope.body["context"])
+        try:
+            held = await self.redis.set(name, digest, nx=True, px=self.settings.retention_ms, get=True)
+        except redis.RedisError:
+            return
+        check_claim(envelope, key, held)
 
     async def start(
         self, definition: str, context: Mapping[str, Any], idempotency_key: str | None = None
     ) -> str:
         """Start a run of the active version of ``definition``; returns its run id at once. Raises
         StartRefused, before sending anything, for a context the definition refuses or a start too
-        large to be sent."""
+        large to be sent, DefinitionNotFound for a definition without an active version, and
+        IdempotencyConflict when ``idempotency_key`` already started a run with another context."""
         plan = await self._plan_of(definition)
         run_id = run_id_for(definition, idempotency_key)
         envelope = checked_start(self.signer, self.settings, plan, definition, run_id, context)
+        await self._claim(envelope, idempotency_key)
         await self._publish(envelope, self.settings.names().start_exchange(plan.shard_class), run_id)
         return run_id
 
@@ -318,9 +494,15 @@ class Client:
 
     async def cancel(self, run_id: str, reason: str = "", requested_by: str = "") -> str:
         """Ask the run's shard to cancel the run: a failed intent with reason ``cancelled``, its active
-        stages asked to stop, then its compensations and finalisers. A run that already has an intent is
-        left as it is (the request is recorded as late in its history). Returns the request's id once
-        the broker has it."""
+        stages asked to stop, then its compensations and finalisers. Raises CancelRefused, sending
+        nothing, for a run that has ended or already has an intent (one that gets it meanwhile is left as
+        it is: the request is recorded as late in its history). Returns the request's id once the broker
+        has it."""
+        document = await self._document(run_id)
+        if document is not None and (
+            document["intent"] is not None or RunStatus(document["state"]) in TERMINAL_RUN_STATUSES
+        ):
+            raise CancelRefused(run_id, document["state"], document["intent"], document["reason"])
         return await self._request(Kind.CANCEL_RUN, run_id, reason, requested_by)
 
     async def redrive(
@@ -328,10 +510,15 @@ class Client:
     ) -> str:
         """Ask the run's shard to resume a failed run in a new epoch, on its pinned plan: completed
         stages keep their results, failed, cancelled, timed-out and compensated ones run again. A run
-        that is not failed, whose start would not pass the door (a context its definition refuses, a
-        task too large), or that a poison message failed with an undo in flight (unless ``undo_lost``:
-        that undo will never report), is left as it is (the refusal is recorded in its history).
-        Returns the request's id once the broker has it; :meth:`answer` tells what became of it."""
+        that is not failed raises RedriveRefused, nothing sent. One whose start would not pass the door
+        (a context its definition refuses, a task too large), or that a poison message failed with an
+        undo in flight (unless ``undo_lost``: that undo will never report), is left as it is (the
+        refusal is recorded in its history). Returns the request's id once the broker has it;
+        :meth:`answer` tells what became of it."""
+        document = await self._document(run_id)
+        state = document["state"] if document is not None else RunStatus.PENDING.value
+        if state != RunStatus.FAILED.value:
+            raise RedriveRefused(run_id, state)
         return await self._request(Kind.REDRIVE, run_id, reason, requested_by, undo_lost=undo_lost)
 
     async def _request(self, kind: Kind, run_id: str, reason: str, requested_by: str, **extra: bool) -> str:
@@ -373,14 +560,20 @@ class Client:
         raise NoAnswer(run_id, request_id, str(shard), timeout_s)
 
     async def status(self, run_id: str) -> dict[str, Any]:
+        document = await self._document(run_id)
+        if document is None:
+            raise RunNotFound(run_id)
+        return document
+
+    async def _document(self, run_id: str) -> dict[str, Any] | None:
+        """The run's status document; None while its id is claimed and the run not created yet. Raises
+        RunNotFound for an id nobody claimed."""
         shard = await self.redis.get(index_key(self.settings.key_prefix, run_id))
         if shard is None:
             raise RunNotFound(run_id)
         key = ShardKeys(self.settings.key_prefix, str(shard)).run(run_id)
         record = await self.redis.hgetall(key)  # type: ignore[misc]
-        if not record:
-            raise RunNotFound(run_id)
-        return status_document(_text(record))
+        return status_document(_text(record)) if record else None
 
     async def wait(self, run_id: str, timeout_s: float = 60.0, poll_s: float = 0.01) -> RunResult:
         """Wait until the run is completed or failed (finalisers included)."""
@@ -424,9 +617,18 @@ class SyncClient:
         self.close()
 
     def start(self, definition: str, context: Mapping[str, Any], idempotency_key: str | None = None) -> str:
+        """As :meth:`Client.start`, blocking."""
         plan = self._plan_of(definition)
         run_id = run_id_for(definition, idempotency_key)
         envelope = checked_start(self.signer, self.settings, plan, definition, run_id, context)
+        if idempotency_key is not None:
+            name = claim_key(self.settings.key_prefix, run_id)
+            digest = context_digest(envelope.body["context"])
+            try:  # as Client._claim: unchecked while Redis is unreachable
+                held = self.redis.set(name, digest, nx=True, px=self.settings.retention_ms, get=True)
+            except redis.RedisError:
+                held = None
+            check_claim(envelope, idempotency_key, held)
         self._channel.basic_publish(
             self.settings.names().start_exchange(plan.shard_class),
             run_id,
@@ -449,6 +651,13 @@ class SyncClient:
             if last is None:
                 raise unreachable_without_cache(definition, exc) from exc
             return last
+        if digest is None:
+            try:
+                prefix = self.settings.key_prefix
+                published = published_names(prefix, self.redis.scan_iter(match=active_pattern(prefix)))
+            except redis.RedisError:
+                published = []
+            raise DefinitionNotFound(definition, published)
         return self._plans.put(definition, active_plan_from(definition, digest, raw), now)
 
     def status(self, run_id: str) -> dict[str, Any]:

@@ -128,7 +128,7 @@ class Registry:
                 if isinstance(getattr(obj, CONTRACT_ATTRIBUTE, None), Contract)
             ]
             if not declared:
-                raise ContractLoadError(name, "it declares no @action or @worker handlers")
+                raise ContractLoadError(name, "it declares no @action or @worker handlers", imported=True)
             found.extend(declared)
         return cls(found)
 

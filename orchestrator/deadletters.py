@@ -1,4 +1,4 @@
-"""Dead letters: list, show and replay what the broker dead-lettered and what saga refused.
+"""Dead letters: list, show, replay and purge what the broker dead-lettered and what saga refused.
 
 Where they are:
 
@@ -24,6 +24,11 @@ Replaying publishes a copy back to the queue the message came from, on a confirm
 the broker confirmed the new one: a failure at any point leaves the message where it was. A crash between
 the confirm and the ack leaves it in both places; message ids are deterministic, so its consumer recognises
 the second copy as a duplicate.
+
+Purging deletes every ready message of a namespace's dead-letter queues for good (``queue.purge`` on a
+passive declare): for letters a human decided are not worth replaying. Only dead-letter queues are ever
+purged, by the same guard as reading; messages another reader holds unacked at that moment are not ready,
+so they stay.
 """
 
 from __future__ import annotations
@@ -77,9 +82,14 @@ CONFIRM_TIMEOUT_S = 30.0
 class DeadLetterError(SagaError):
     """Raised when a dead-letter command cannot do what it was asked; names the ids and what to do."""
 
+    code = "dead_letter_error"
+
 
 class NotADeadLetterQueue(DeadLetterError):
     """Raised when asked to read a queue that is neither a ``<queue>.dlq`` nor saga.rejected."""
+
+    code = "not_a_dead_letter_queue"
+    id_fields = ("queue",)
 
     def __init__(self, queue: str, names: Names) -> None:
         self.queue = queue
@@ -94,6 +104,9 @@ class NotADeadLetterQueue(DeadLetterError):
 class QueueNotFound(DeadLetterError):
     """Raised when a dead-letter queue asked for does not exist on the broker's vhost."""
 
+    code = "queue_not_found"
+    id_fields = ("queue",)
+
     def __init__(self, queue: str) -> None:
         self.queue = queue
         super().__init__(
@@ -104,6 +117,9 @@ class QueueNotFound(DeadLetterError):
 
 class MessageNotFound(DeadLetterError):
     """Raised when no message with the id is on any of the queues searched."""
+
+    code = "message_not_found"
+    id_fields = ("message_id",)
 
     def __init__(self, message_id: str, queues: list[str]) -> None:
         self.message_id = message_id
@@ -116,6 +132,9 @@ class MessageNotFound(DeadLetterError):
 
 class NotReplayable(DeadLetterError):
     """Raised when nothing on a dead letter says which queue it belongs back on."""
+
+    code = "not_replayable"
+    id_fields = ("message_id", "queue")
 
     def __init__(self, message_id: str, queue: str, why: str) -> None:
         self.message_id = message_id
@@ -141,9 +160,9 @@ def require_dead_letter_queue(queue: str, names: Names) -> str:
 
 
 def dead_letter_queues(topology: Topology, names: Names) -> list[str]:
-    """Every ``.dlq`` queue of the topology, then the namespace's rejected queue."""
-    dlqs = [q.name for q in topology.queues if q.name.endswith(DLQ_SUFFIX)]
-    return [*dlqs, names.rejected_queue]
+    """Every ``.dlq`` queue of the topology in the namespace, then the namespace's rejected queue."""
+    dlqs = [q.name for q in topology.queues if names.is_dead_letter_queue(q.name)]
+    return [*(q for q in dlqs if q != names.rejected_queue), names.rejected_queue]
 
 
 @dataclass(frozen=True)
@@ -361,6 +380,13 @@ class QueueListing:
 
 
 @dataclass(frozen=True)
+class Purged:
+    queue: str
+    exists: bool
+    removed: int  # messages deleted
+
+
+@dataclass(frozen=True)
 class Replayed:
     letter: DeadLetter
     target: str | None
@@ -529,4 +555,22 @@ async def replay(
                 raise
     if message_id is not None and not done:
         raise MessageNotFound(message_id, queues)
+    return done
+
+
+async def purge(
+    connection: aio_pika.abc.AbstractConnection, queues: Iterable[str], *, missing_ok: bool
+) -> list[Purged]:
+    """Delete every ready message on each of ``queues`` (dead-letter queues only); with ``missing_ok`` an
+    absent queue is reported as such instead of raising :class:`QueueNotFound`."""
+    done = []
+    for queue in queues:
+        try:
+            async with _borrowed(connection, queue) as reading:
+                result = await reading.amqp_queue.purge(timeout=CONFIRM_TIMEOUT_S)
+                done.append(Purged(queue, True, result.message_count or 0))
+        except QueueNotFound:
+            if not missing_ok:
+                raise
+            done.append(Purged(queue, False, 0))
     return done

@@ -57,6 +57,9 @@ class Verdict:
 class DurabilityRefused(SagaError):
     """Raised when production mode refuses to start; ``problems`` says each reason and what to do."""
 
+    code = "durability_refused"
+    id_fields = ("role",)
+
     def __init__(self, role: Role, problems: tuple[str, ...]) -> None:
         self.role = role
         self.problems = problems

@@ -1,7 +1,10 @@
 """Errors raised by saga-orchestrator.
 
 Every error a user can hit derives from :class:`SagaError` and says what is wrong and what to do, with the
-ids involved kept as attributes::
+ids involved kept as attributes. Each class has a stable ``code`` (``run_not_found``, ``start_refused``...)
+and names its id attributes in ``id_fields``: the CLI's ``--json`` error document (and any API) is
+``{"error": {"code": error.code, "message": str(error), "ids": error.ids}}``. The tree here; the clients,
+dead-letter commands and stores add their own leaves under :class:`SagaError`::
 
     SagaError
     ├── DefinitionError          a definition failed to load or compile (carries every Problem)
@@ -18,10 +21,22 @@ ids involved kept as attributes::
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
 
 class SagaError(Exception):
     """Raised for any error saga-orchestrator reports to a user; catch this to catch them all."""
+
+    #: A stable identifier of the error's class, for programs: never reworded once released.
+    code: ClassVar[str] = "error"
+    #: The attributes that hold the ids involved (run, definition, queue...), in :attr:`ids`.
+    id_fields: ClassVar[tuple[str, ...]] = ()
+
+    @property
+    def ids(self) -> dict[str, Any]:
+        """The ids involved, by name (those not known are left out)."""
+        found = {name: getattr(self, name, None) for name in self.id_fields}
+        return {name: value for name, value in found.items() if value is not None}
 
 
 @dataclass(frozen=True, order=True)
@@ -40,6 +55,8 @@ class Problem:
 class DefinitionError(SagaError):
     """Raised when a definition cannot be loaded or compiled; ``problems`` lists every issue found."""
 
+    code = "definition_invalid"
+
     def __init__(self, problems: list[Problem]) -> None:
         self.problems = sorted(problems)
         count = len(self.problems)
@@ -50,9 +67,14 @@ class DefinitionError(SagaError):
 class ContractError(SagaError):
     """Raised when a contract declaration is invalid or two declarations of one name@version disagree."""
 
+    code = "contract_invalid"
+
 
 class ContractNotFound(ContractError):
     """Raised when a name@version is looked up that no loaded contract module declares."""
+
+    code = "contract_not_found"
+    id_fields = ("ref",)
 
     def __init__(self, ref: str, known: list[str]) -> None:
         self.ref = ref
@@ -64,18 +86,28 @@ class ContractNotFound(ContractError):
 
 
 class ContractLoadError(SagaError):
-    """Raised when a contracts module named with --contracts (or SAGA_CONTRACTS) cannot be imported."""
+    """Raised when a contracts module named with --contracts (or SAGA_CONTRACTS) cannot be imported, or
+    declares no handlers."""
 
-    def __init__(self, module: str, reason: str) -> None:
+    code = "contracts_not_loaded"
+    id_fields = ("module",)
+
+    def __init__(self, module: str, reason: str, *, imported: bool = False) -> None:
         self.module = module
-        super().__init__(
-            f"cannot load contracts from module {module!r}: {reason}; "
-            "check the module path and that it is importable (pip install -e . in the project)"
+        hint = (
+            "declare its handlers with workers.sdk's @action/@worker"
+            if imported
+            else "the module must be importable: installed (pip install -e . in its project), or run with "
+            "PYTHONPATH=. from the directory holding it"
         )
+        super().__init__(f"cannot load contracts from module {module!r}: {reason}; {hint}")
 
 
 class BindingError(SagaError):
     """Raised when a ``${...}`` binding cannot produce the value its target needs at run time."""
+
+    code = "binding_failed"
+    id_fields = ("target",)
 
     def __init__(self, target: str, expression: str, detail: str) -> None:
         self.target = target

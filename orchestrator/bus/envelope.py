@@ -70,6 +70,8 @@ class Envelope(BaseModel):
 class EnvelopeRejected(SagaError):
     """Raised when a message is refused before any state write: oversized, undecodable or forged."""
 
+    code = "message_rejected"
+
     def __init__(self, reason: str, detail: str) -> None:
         self.reason = reason
         self.detail = detail

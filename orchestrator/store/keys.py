@@ -64,3 +64,20 @@ def plan_key(prefix: str, digest: str) -> str:
 
 def active_key(prefix: str, definition: str) -> str:
     return f"{prefix}:{{plans}}:active:{definition}"
+
+
+def active_pattern(prefix: str) -> str:
+    """A SCAN pattern matching every :func:`active_key` of ``prefix`` (its glob characters escaped)."""
+    escaped = "".join(f"\\{c}" if c in "*?[]\\" else c for c in prefix)
+    return f"{escaped}:{{plans}}:active:*"
+
+
+def definition_of_active_key(prefix: str, key: str) -> str:
+    """``active_key(prefix, name)`` -> ``name``."""
+    return key.removeprefix(f"{prefix}:{{plans}}:active:")
+
+
+def idempotency_key(prefix: str, run_id: str) -> str:
+    """The context digest the first start of an idempotency key claimed (SET NX, with the run retention
+    as TTL); ``run_id`` is derived from the definition and the key. Tagged like :func:`index_key`."""
+    return f"{prefix}:idempotency:{{{run_id}}}"

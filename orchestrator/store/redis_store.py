@@ -39,6 +39,8 @@ APPLIED, DUPLICATE, CONFLICT, EXISTS, NO_RUN, TIMER_GONE = 0, 1, 2, 3, 4, 5
 class PlanNotFound(SagaError):
     """Raised when a run or a start names a plan digest or definition that was never published."""
 
+    code = "plan_not_found"
+
     def __init__(self, what: str) -> None:
         self.what = what
         super().__init__(f"no published plan for {what}; publish it with 'saga definitions publish FILE'")

@@ -213,7 +213,7 @@ def test_compile_json_prints_the_plan_with_digest_and_versions() -> None:
 
 def test_compile_invalid_definition_exits_1_with_problems_on_stderr(tmp_path: Path) -> None:
     bad = write(tmp_path, "bad.yaml", BAD_CONTRACT)
-    result = saga("compile", "--json", bad)
+    result = saga("compile", bad)  # with --json: the error document on stdout (tests/cli/test_errors.py)
     assert result.returncode == 1
     assert result.stdout == ""
     assert_no_traceback(result)

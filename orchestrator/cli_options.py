@@ -1,0 +1,33 @@
+"""Options several ``saga`` commands share, in a module of their own so that every command module
+(``orchestrator.cli``, ``orchestrator.cli_runtime``...) can use them without importing the others."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import click
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def registry_options(fn: F) -> F:
+    """``--contracts MODULE`` (repeatable) and ``--registry FILE``: the contract registry a command that
+    compiles definitions uses; the command gets them as ``modules`` and ``registry_file``."""
+    fn = click.option(
+        "--contracts",
+        "modules",
+        multiple=True,
+        metavar="MODULE",
+        help="Python module whose @action/@worker handlers are the contract registry (repeatable; "
+        "default: $SAGA_CONTRACTS or workers.demo). It must be importable: installed, or run with "
+        "PYTHONPATH=. from the directory holding it.",
+    )(fn)
+    fn = click.option(
+        "--registry",
+        "registry_file",
+        type=click.Path(exists=True, dir_okay=False),
+        metavar="FILE",
+        help="A registry serialised by 'saga contracts export' instead of modules.",
+    )(fn)
+    return fn
