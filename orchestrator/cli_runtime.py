@@ -212,7 +212,7 @@ def worker(apps: tuple[str, ...], queues: tuple[str, ...], concurrency: int, ver
     """Consume the queues of the apps' contracts and run their handlers."""
     from orchestrator.bus.topology import serving_queues
     from workers.runtime import MissingTopology, WorkerRuntime
-    from workers.serial_lane import SerialLane, lane_key
+    from workers.serial_lane import SerialLane, lane_client, lane_key
 
     logging.basicConfig(
         level=logging.INFO if verbose else logging.WARNING,
@@ -232,7 +232,11 @@ def worker(apps: tuple[str, ...], queues: tuple[str, ...], concurrency: int, ver
             _heartbeat_url(settings.amqp_url, settings.amqp_heartbeat_s)
         )
         serial = any(queue == names.SERIAL_TASKS for queue, _ in serving)
-        lane_redis = redis_client(settings) if serial else None
+        lane_redis = (
+            lane_client(settings.redis_url, settings.serial_lease_ms, settings.redis_timeout_s)
+            if serial
+            else None
+        )
         runtime = WorkerRuntime(
             connection,
             handlers,
@@ -508,7 +512,7 @@ def reconcile(dry_run: bool, min_age_s: float, stranded_after_s: float, as_json:
             reconciler = Reconciler(
                 store,
                 Processor(store, lambda: int(time.time() * 1000), settings.limits()),
-                Publisher(channel, signer, settings.names(), settings.delivery_limit),
+                Publisher(channel, signer, settings.names(), settings.delivery_limit, connection.channel),
                 min_age_ms=int(min_age_s * 1000),
                 stranded_after_ms=int(stranded_after_s * 1000),
             )

@@ -99,8 +99,13 @@ class WorkerRuntime:
     _inflight: set[asyncio.Task[None]] = field(default_factory=set)
     _releasing: set[asyncio.Task[None]] = field(default_factory=set)
     _running: dict[AttemptKey, dict[str, Running]] = field(default_factory=dict)
-    # tasks not started yet, by attempt and task id (a map's items share an attempt): set to give up
-    _waiting: dict[AttemptKey, dict[str, asyncio.Event]] = field(default_factory=dict)
+    # deliveries not started yet, by attempt and delivery (a map's items share an attempt; a redelivery
+    # after a reconnect is another delivery of the same task): set to stop waiting
+    _waiting: dict[AttemptKey, dict[int, asyncio.Event]] = field(default_factory=dict)
+    # attempts a cancellation named, newest last: checked again right before a handler starts, so a
+    # cancellation that arrives between a task's turn and its start is not lost
+    _cancelled: dict[AttemptKey, None] = field(default_factory=dict)
+    _giving_up: bool = False  # consumers cancelled on the way out: waiting deliveries go back
     _slots: asyncio.Semaphore = field(init=False)
     _coalescers: dict[int, AckCoalescer] = field(default_factory=dict)  # per channel: tags count per channel
 
@@ -109,9 +114,6 @@ class WorkerRuntime:
 
     def stop(self) -> None:
         self._stopping.set()
-        for waiting in self._waiting.values():
-            for give_up in waiting.values():
-                give_up.set()
 
     async def run(self) -> None:
         if any(queue == SERIAL_TASKS for queue, _ in self.serving) and self.lane is None:
@@ -124,15 +126,30 @@ class WorkerRuntime:
         serial_channel = await self.connection.channel()
         await serial_channel.set_qos(prefetch_count=1)  # a waiting serial task is one nobody else can take
         publisher = Publisher(channel, self.signer, self.names, self.delivery_limit)
+        consumers = await self._subscribe(channel, serial_channel, publisher, pool)
+        log.info(
+            "worker consuming %d contract queue(s) with concurrency %d", len(self.serving), self.concurrency
+        )
+        try:
+            await self._stopping.wait()
+        finally:
+            await self._drain(consumers, pool)
+            await self._close(serial_channel)
+            await self._close(channel)
+
+    async def _subscribe(
+        self,
+        channel: AbstractChannel,
+        serial_channel: AbstractChannel,
+        publisher: Publisher,
+        pool: ThreadPoolExecutor,
+    ) -> list[tuple[Any, str]]:
         consumers = []
         try:
             for queue_name, contract in self.serving:
                 serial = queue_name == SERIAL_TASKS
-                consumers.append(
-                    await self._consume(
-                        serial_channel if serial else channel, queue_name, contract, publisher, pool, serial
-                    )
-                )
+                on = serial_channel if serial else channel
+                consumers.append(await self._consume(on, queue_name, contract, publisher, pool, serial))
             consumers.append(await self._listen_for_cancellations(channel))
         except aiormq.exceptions.ChannelNotFoundEntity as exc:
             raise MissingTopology(
@@ -140,24 +157,31 @@ class WorkerRuntime:
                 f"exchanges for namespace {self.names.namespace!r} ({exc.args[0] if exc.args else exc}): "
                 "run 'saga topology apply' with the same SAGA_AMQP_URL and SAGA_NAMESPACE first"
             ) from exc
-        log.info(
-            "worker consuming %d contract queue(s) with concurrency %d", len(self.serving), self.concurrency
-        )
-        try:
-            await self._stopping.wait()
-        finally:
-            for queue, tag in consumers:
-                with contextlib.suppress(Exception):
-                    await queue.cancel(tag)
-            if self._inflight:
-                await asyncio.gather(*self._inflight, return_exceptions=True)  # drain: finish what we hold
-            for acks in self._coalescers.values():
-                await acks.flush()
-            await asyncio.get_running_loop().run_in_executor(None, pool.shutdown)  # every thread returned
-            if self._releasing:
-                await asyncio.gather(*self._releasing, return_exceptions=True)
-            await self._close(serial_channel)
-            await self._close(channel)
+        except aiormq.exceptions.ChannelPreconditionFailed as exc:
+            raise MissingTopology(
+                f"a queue this worker serves exists with other arguments "
+                f"({exc.args[0] if exc.args else exc}): give every process the same SAGA_DELIVERY_LIMIT, "
+                "or delete the queue once it is empty"
+            ) from exc
+        return consumers
+
+    async def _drain(self, consumers: list[tuple[Any, str]], pool: ThreadPoolExecutor) -> None:
+        """Stop taking deliveries, give back the ones still waiting, finish the ones running."""
+        for queue, tag in consumers:
+            with contextlib.suppress(Exception):
+                await queue.cancel(tag)
+        # only now: a delivery given back while its consumer still ran would come straight back
+        self._giving_up = True
+        for waiting in self._waiting.values():
+            for give_up in waiting.values():
+                give_up.set()
+        if self._inflight:
+            await asyncio.gather(*self._inflight, return_exceptions=True)
+        for acks in self._coalescers.values():
+            await acks.flush()
+        await asyncio.get_running_loop().run_in_executor(None, pool.shutdown)  # every thread returned
+        if self._releasing:
+            await asyncio.gather(*self._releasing, return_exceptions=True)
 
     async def _consume(
         self,
@@ -172,7 +196,9 @@ class WorkerRuntime:
         await declare_task_queue(channel, layout)
         # declared, not just named: the robust channel re-subscribes it after a reconnect
         queue = await channel.declare_queue(layout.queue.name, passive=True)
-        acks = self._coalescers.setdefault(id(channel), AckCoalescer())
+        # serial deliveries are acked one by one: a task waiting for the lane must not hold back the ack
+        # of one that finished (a coalescer acks only the longest settled run of delivery tags)
+        acks = None if serial else self._coalescers.setdefault(id(channel), AckCoalescer())
         tag = await queue.consume(
             lambda m: self._spawn(m, publisher, pool, acks, serial=serial), no_ack=False
         )
@@ -206,6 +232,9 @@ class WorkerRuntime:
             future.cancel()
         for give_up in self._waiting.get(key, {}).values():  # not started yet: they never will
             give_up.set()
+        self._cancelled[key] = None
+        while len(self._cancelled) > 10_000:
+            del self._cancelled[next(iter(self._cancelled))]
 
     async def _close(self, channel: AbstractChannel) -> None:
         with contextlib.suppress(Exception):
@@ -216,12 +245,13 @@ class WorkerRuntime:
         message: AbstractIncomingMessage,
         publisher: Publisher,
         pool: ThreadPoolExecutor,
-        acks: AckCoalescer,
+        acks: AckCoalescer | None,
         *,
         serial: bool,
     ) -> None:
-        acks.delivered(message)
-        task = asyncio.create_task(self._handle(message, publisher, pool, acks, serial))
+        if acks is not None:
+            acks.delivered(message)
+        task = asyncio.create_task(self._handle(message, publisher, pool, _Settle(message, acks), serial))
         self._inflight.add(task)
         task.add_done_callback(self._inflight.discard)
 
@@ -230,7 +260,7 @@ class WorkerRuntime:
         message: AbstractIncomingMessage,
         publisher: Publisher,
         pool: ThreadPoolExecutor,
-        acks: AckCoalescer,
+        settle: _Settle,
         serial: bool,
     ) -> None:
         try:
@@ -244,19 +274,30 @@ class WorkerRuntime:
                 )
         except EnvelopeRejected as exc:
             source = message.routing_key or ""  # task queues are bound under their own names
-            await publisher.reject(message.body, exc.reason, exc.detail, source, message.message_id)
-            acks.settled(message)
+            try:
+                await publisher.reject(message.body, exc.reason, exc.detail, source, message.message_id)
+            except Exception as trouble:  # not parked: it goes back, to be refused again
+                log.warning("could not park refused task %s: %s", message.message_id, trouble)
+                await settle.requeue()
+                return
+            await settle.ack()
             return
-        turn = await self._wait_turn(envelope, serial)
+        turn = await self._wait_turn(envelope, serial, message)
         if turn is None:  # the worker is stopping: the task goes back for another worker
-            await message.nack(requeue=True)
-            acks.settled(message, already_settled=True)
+            await settle.requeue()
             return
-        if turn.cancelled:
-            outcome = Outcome(False, "cancelled before it started: the orchestrator asked", cancelled=True)
-            turn.finished()
-        else:
-            outcome = await self._run(publisher, envelope, pool, turn)
+        try:
+            if not _alive(message):
+                return  # its channel closed while it waited: the broker gave it to another consumer
+            if turn.cancelled:
+                outcome = Outcome(
+                    False, "cancelled before it started: the orchestrator asked", cancelled=True
+                )
+            else:
+                outcome = await self._run(publisher, envelope, pool, turn)
+        finally:
+            if not turn.handed_over:  # no handler runs on it: give it back now
+                turn.finished()
         result = self._result(envelope, outcome)
         faults.crash(self.crash_points, "worker-after-effect")
         try:
@@ -269,28 +310,32 @@ class WorkerRuntime:
                 envelope.stage,
                 envelope.run_id,
             )
-            await message.nack(requeue=True)
-            acks.settled(message, already_settled=True)
+            await settle.requeue()
             return
-        acks.settled(message)  # the result is confirmed: the task may be acked
+        await settle.ack()  # the result is confirmed: the task may be acked
 
-    async def _wait_turn(self, envelope: Envelope, serial: bool) -> Turn | None:
+    async def _wait_turn(
+        self, envelope: Envelope, serial: bool, message: AbstractIncomingMessage
+    ) -> Turn | None:
         """Wait until this task may start: a free slot, and for a serial task the serial lane too. None
-        when the worker stops first; a turn marked ``cancelled`` when the attempt was cancelled first."""
+        when the worker gives its deliveries back first; a turn marked ``cancelled`` when the attempt was
+        cancelled first."""
+        if self._giving_up:
+            return None
         key = (envelope.run_id, envelope.stage or "", envelope.fence or "")
         give_up = asyncio.Event()
         waiting = self._waiting.setdefault(key, {})
-        waiting[envelope.message_id] = give_up
+        waiting[id(message)] = give_up
         try:
             if serial:
                 return await self._wait_for_lane(envelope, give_up)
             await self._slots.acquire()
-            if self._stopping.is_set():
+            if self._giving_up:
                 self._slots.release()
                 return None
-            return Turn(self, None, True, cancelled=give_up.is_set())
+            return Turn(self, None, True, cancelled=key in self._cancelled)
         finally:
-            waiting.pop(envelope.message_id, None)
+            waiting.pop(id(message), None)
             if not waiting:
                 self._waiting.pop(key, None)
 
@@ -300,8 +345,9 @@ class WorkerRuntime:
         task = {"run_id": envelope.run_id, "stage": envelope.stage, "contract": envelope.contract}
         lease = await self.lane.take({**task, "fence": envelope.fence}, give_up)
         if lease is None:
-            return None if self._stopping.is_set() else Turn(self, None, False, cancelled=True)
-        return Turn(self, lease, False)
+            return None if self._giving_up else Turn(self, None, False, cancelled=True)
+        key = (envelope.run_id, envelope.stage or "", envelope.fence or "")
+        return Turn(self, lease, False, cancelled=key in self._cancelled)
 
     async def _run(
         self, publisher: Publisher, envelope: Envelope, pool: ThreadPoolExecutor, turn: Turn
@@ -344,7 +390,6 @@ class WorkerRuntime:
     async def _execute(self, envelope: Envelope, pool: ThreadPoolExecutor, turn: Turn) -> Outcome:
         """Run the task's handler; ``turn`` is given back once the handler has returned, which for a
         cancelled thread-pool handler may be after this returns the cancelled outcome."""
-        started = False
         try:
             handler = self.handlers[envelope.contract or ""]  # _handle refused any other contract
             try:
@@ -362,7 +407,6 @@ class WorkerRuntime:
                 envelope.contract or "",
                 str(envelope.body.get("idempotency_key", envelope.message_id)),
             )
-            started = True
             output = await self._run_cancellable(envelope, handler, payload, context, pool, turn)
             try:
                 return Outcome(True, _validated_output(handler, output))
@@ -374,9 +418,6 @@ class WorkerRuntime:
             log.info("task %s of run %s failed: %s", envelope.stage, envelope.run_id, exc)
             retryable = not isinstance(exc, PermanentFailure)
             return Outcome(False, f"{type(exc).__name__}: {exc}", retryable=retryable)
-        finally:
-            if not started:
-                turn.finished()
 
     async def _run_cancellable(
         self,
@@ -389,7 +430,10 @@ class WorkerRuntime:
     ) -> Any:
         """Run the handler as its own task, so a cancellation request can stop it (and only it)."""
         key = (envelope.run_id, context.stage, context.fence)
+        if key in self._cancelled:  # asked while its acceptance was on its way
+            raise _Cancelled
         future = _start(handler, payload, context, pool, turn.finished)
+        turn.handed_over = True  # the handler gives the turn back when it returns
         running = self._running.setdefault(key, {})
         running[envelope.message_id] = (future, context)  # a task's id tells a map's items apart
         try:
@@ -425,6 +469,37 @@ class WorkerRuntime:
             issued_at_ms=self.clock_ms(),
             body=body,
         )
+
+
+@dataclass(frozen=True)
+class _Settle:
+    """How a delivery is settled: through its channel's ack coalescer, or one by one (``acks`` None)."""
+
+    message: AbstractIncomingMessage
+    acks: AckCoalescer | None
+
+    async def ack(self) -> None:
+        if self.acks is not None:
+            self.acks.settled(self.message)
+            return
+        try:
+            await self.message.ack()
+        except Exception:  # the channel is gone: the broker redelivers it
+            log.warning("could not ack delivery %s; the broker will redeliver", self.message.delivery_tag)
+
+    async def requeue(self) -> None:
+        with contextlib.suppress(Exception):  # a closed channel has requeued it already
+            await self.message.nack(requeue=True)
+        if self.acks is not None:
+            self.acks.settled(self.message, already_settled=True)
+
+
+def _alive(message: AbstractIncomingMessage) -> bool:
+    """Whether the channel a delivery came on is still open (only then can it be acked)."""
+    try:
+        return not message.channel.is_closed
+    except Exception:  # aio-pika raises once the channel is closed
+        return False
 
 
 @dataclass(frozen=True)
@@ -487,6 +562,7 @@ class Turn:
     lease: Lease | None
     slot: bool
     cancelled: bool = False
+    handed_over: bool = False  # a handler runs on it and gives it back when it returns
     _done: bool = False
 
     def finished(self) -> None:

@@ -32,7 +32,11 @@ from redis.exceptions import RedisError
 
 log = logging.getLogger(__name__)
 
-_ACQUIRE = "return redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) and 1 or 0"
+# Taking it again with our own token succeeds: a retry after a lost reply must not wait out our own lease
+_ACQUIRE = (
+    "if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return 1 end "
+    "if redis.call('GET', KEYS[1]) == ARGV[1] then return 1 end return 0"
+)
 _RENEW = (
     "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end "
     "return 0"
@@ -120,17 +124,41 @@ class SerialLane:
         return holder_of(await self.redis.get(self.key))
 
     async def _renew(self, token: str) -> None:
+        """Every third of the lease; after a failure, again every ``retry_s`` until the lease would have
+        expired (a Redis client timeout well under a third of the lease keeps one slow reply from eating
+        the margin: see ``lane_client``)."""
+        kept_until = time.monotonic() + self.lease_ms / 1000
+        pause = self.lease_ms / 3000
         while True:
-            await asyncio.sleep(self.lease_ms / 3000)
+            await asyncio.sleep(pause)
             try:
                 kept = await self.redis.eval(_RENEW, 1, self.key, token, self.lease_ms)  # type: ignore[misc]
             except REDIS_TROUBLE as exc:
-                log.warning("serial lane: could not renew the lease (%s); retrying", exc)
-                continue
+                if time.monotonic() < kept_until:
+                    log.warning("serial lane: could not renew the lease (%s); retrying", exc)
+                    pause = self.retry_s
+                    continue
+                kept = 0
             if not kept:
                 log.error(
-                    "serial lane: the lease expired while its handler still runs (Redis was out of reach "
-                    "for longer than SAGA_SERIAL_LEASE_MS=%d); another serial task may overlap this one",
+                    "serial lane: the lease expired while its handler still runs (Redis out of reach, or "
+                    "the event loop blocked, for longer than SAGA_SERIAL_LEASE_MS=%d); another serial task "
+                    "may overlap this one",
                     self.lease_ms,
                 )
                 return
+            kept_until = time.monotonic() + self.lease_ms / 1000
+            pause = self.lease_ms / 3000
+
+
+def lane_client(redis_url: str, lease_ms: int, timeout_s: float) -> aioredis.Redis:
+    """A Redis client for the lane whose replies time out well within a renewal period, so that a renewal
+    stuck on a dead connection leaves time for retries before the lease expires."""
+    timeout = min(timeout_s, lease_ms / 6000)
+    return aioredis.Redis.from_url(
+        redis_url,
+        decode_responses=True,
+        socket_timeout=timeout,
+        socket_connect_timeout=timeout,
+        socket_keepalive=True,
+    )

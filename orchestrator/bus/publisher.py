@@ -8,8 +8,9 @@ positively confirmed message is marked sent in the outbox; anything else stays t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any
 
 import aio_pika
@@ -94,12 +95,20 @@ class Publisher:
     then waits for one instead of coming back unroutable."""
 
     def __init__(
-        self, channel: AbstractChannel, signer: Signer, names: Names, delivery_limit: int = 20
+        self,
+        channel: AbstractChannel,
+        signer: Signer,
+        names: Names,
+        delivery_limit: int = 20,
+        declare_on: Callable[[], Awaitable[AbstractChannel]] | None = None,
     ) -> None:
+        """``declare_on`` opens a channel for declaring contract queues: the broker closes a channel whose
+        declaration it refuses, which must not be the one a shard consumes and publishes on."""
         self.channel = channel
         self.signer = signer
         self.names = names
         self.delivery_limit = delivery_limit
+        self.declare_on = declare_on
         self._exchanges: dict[str, AbstractExchange] = {}
         self._declared: dict[str, asyncio.Future[None]] = {}
 
@@ -166,7 +175,7 @@ class Publisher:
             self._declared[name] = declared
             layout = TaskQueueLayout.of(self.names, queue, contract, self.delivery_limit)
             try:
-                await declare_task_queue(self.channel, layout)
+                await self._declare(layout)
             except BaseException as exc:
                 self._declared.pop(name, None)
                 declared.set_exception(exc)
@@ -175,6 +184,35 @@ class Publisher:
             declared.set_result(None)
             return
         await declared
+
+    async def _declare(self, layout: TaskQueueLayout) -> None:
+        try:
+            await self._on_declare_channel(lambda channel: declare_task_queue(channel, layout))
+        except aiormq.exceptions.ChannelPreconditionFailed as exc:
+            # It exists with other arguments (another process's SAGA_DELIVERY_LIMIT, say): tasks may still
+            # go to it, so bind it (a binding has no arguments to disagree on) and say so.
+            log.error(
+                "queue %s exists with other arguments than this process declares (%s): tasks still go "
+                "to it; give every process the same SAGA_DELIVERY_LIMIT, or delete the queue once empty",
+                layout.queue.name,
+                exc,
+            )
+            binding = layout.binding
+
+            async def bind(channel: AbstractChannel) -> None:
+                queue = await channel.get_queue(binding.destination, ensure=False)
+                await queue.bind(binding.source, binding.routing_key)
+
+            await self._on_declare_channel(bind)
+
+    async def _on_declare_channel(self, declare: Callable[[AbstractChannel], Awaitable[None]]) -> None:
+        channel = await self.declare_on() if self.declare_on is not None else self.channel
+        try:
+            await declare(channel)
+        finally:
+            if channel is not self.channel:
+                with contextlib.suppress(Exception):
+                    await channel.close()
 
     async def publish_envelope(
         self, envelope: Envelope, exchange: str, routing_key: str, *, mandatory: bool = True

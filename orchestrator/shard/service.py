@@ -146,7 +146,13 @@ class ShardService:
                         await channel.close()  # unacked deliveries return to the queue
 
     async def _consume(self, shard: str, channel: AbstractChannel) -> None:
-        publisher = Publisher(channel, self.signer, self.options.names, self.options.delivery_limit)
+        publisher = Publisher(
+            channel,
+            self.signer,
+            self.options.names,
+            self.options.delivery_limit,
+            declare_on=self.connection.channel,
+        )
         # Declared (passively), not just named: the robust channel then re-subscribes this consumer when
         # it reopens after a reconnect (broker restart, missed heartbeats). A queue taken with
         # get_queue(ensure=False) is not tracked, and the shard would never consume again.

@@ -69,7 +69,7 @@ def wait_until_serving(stack: Stack, proxy: FaultProxy, timeout_s: float = 60.0)
         consumers = {
             n: c
             for n, c in stack.list_queues("consumers").items()
-            if n.startswith("orch.") and not n.endswith(".dlq")
+            if n.startswith("saga.shard.") and not n.endswith(".dlq")
         }
         return bool(consumers) and all(consumers.values()) and proxy.stats().bytes_down > 0
 

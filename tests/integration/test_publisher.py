@@ -115,3 +115,33 @@ def test_a_task_for_a_contract_no_worker_has_served_waits_in_its_own_queue(stack
 
     confirmed, messages, consumers = asyncio.run(go())
     assert confirmed == [waiting.message_id] and (messages, consumers) == (1, 0)
+
+
+def test_a_queue_declared_with_other_arguments_still_gets_its_tasks_and_the_channel_stays_open(
+    stack: Stack,
+) -> None:
+    """Another process declared the contract queue with another delivery limit: the broker refuses this
+    publisher's declaration, on a channel of its own, and the task still goes to the queue that exists."""
+    signer = Signer.from_settings(stack.settings.signing_keys)
+    name = NAMES.task_queue("mismatch", "x.y@1")
+    first, second = task(5, "mismatch"), task(6, "mismatch")
+    first.body["contract"] = second.body["contract"] = "x.y@1"
+
+    async def go() -> tuple[list[str], int, bool]:
+        connection = await aio_pika.connect(stack.settings.amqp_url)
+        try:
+            other = await connection.channel()
+            await other.declare_queue(
+                name, durable=True, arguments={"x-queue-type": "quorum", "x-delivery-limit": 3}
+            )
+            channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
+            publisher = Publisher(channel, signer, NAMES, 20, declare_on=connection.channel)
+            confirmed = await publisher.publish_all([first], 1)
+            confirmed += await publisher.publish_all([second], 1)
+            declared = await channel.declare_queue(name, passive=True)
+            return confirmed, declared.declaration_result.message_count or 0, channel.is_closed
+        finally:
+            await connection.close()
+
+    confirmed, waiting, closed = asyncio.run(go())
+    assert confirmed == [first.message_id, second.message_id] and waiting == 2 and not closed

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Iterator
 from itertools import pairwise
 from pathlib import Path
@@ -24,6 +25,7 @@ from orchestrator.provision import provision
 from tests.faults import invariants
 from tests.integration.probe_apps import intervals_key
 from tests.integration.stack import Stack, poll, rabbitmqctl
+from workers.serial_lane import lane_key
 
 pytestmark = pytest.mark.services
 
@@ -190,3 +192,33 @@ def test_environments_on_one_broker_and_one_redis_never_meet(stack: Stack) -> No
     assert stack.wait_finished(run_id, 60)["status"] == "completed"
     for key in stack.redis.scan_iter(match=f"{other['SAGA_KEY_PREFIX']}:*"):
         stack.redis.delete(key)
+
+
+def test_a_worker_waiting_for_the_serial_lane_stops_at_once_and_gives_the_task_back(stack: Stack) -> None:
+    # Given the serial lane held by someone else (another worker's long handler)
+    lane = lane_key(stack.prefix)
+    stack.redis.set(lane, json.dumps({"worker": "elsewhere:1", "run_id": "other"}), px=120_000)
+    stack.start_orchestrator()
+    stack.start_worker("worker-ab", "--app", APP_A, "--app", APP_B)
+
+    async def start() -> str:
+        async with Client(stack.settings) as client:
+            return await client.start("probe-chain", {"n": 1, "hold_s": 0.01})
+
+    run_id = asyncio.run(start())
+    serial_queue = stack.settings.names().task_queue("tasks.serial", "probe.serial-a@1")
+    poll(lambda: stack.record(run_id).get("s:serial-a:status") == "dispatched", 30, what="serial-a sent")
+    poll(lambda: stack.list_queues("messages_unacknowledged").get(serial_queue) == 1, 30, what="it waits")
+
+    # When the worker is asked to stop while its serial task waits for the lane
+    began = time.monotonic()
+    assert stack.stop("worker-ab") == 0
+    # Then it stops at once (not when the lane frees) and the task is back on its queue, not run
+    assert time.monotonic() - began < 10
+    poll(lambda: stack.queue_depths().get(serial_queue) == 1, 30, what="the task back on its queue")
+    assert intervals(stack, "serial") == []
+
+    # And once the lane is free, another worker runs it and the run completes
+    stack.redis.delete(lane)
+    stack.start_worker("worker-a", "--app", APP_A, "--app", APP_B)
+    assert stack.wait_finished(run_id, 60)["status"] == "completed"
