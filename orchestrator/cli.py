@@ -2,7 +2,8 @@
 
 Exit codes: 0 success, 1 the input is invalid or refused (a definition has problems, a run that is not
 there), 2 usage or configuration error (unknown option, missing file, a contracts module that cannot be
-loaded, a broker that cannot be reached). Commands raise; ``orchestrator.cli_errors`` shows every error in
+loaded, RabbitMQ or Redis that cannot be reached or fails midway), 3 a run still going when a wait ended.
+Commands raise; ``orchestrator.cli_errors`` shows every error in
 one shape (``error: ...`` on stderr, or with ``--json`` an error document on stdout).
 """
 
@@ -98,8 +99,9 @@ def main() -> None:
     and worker pools; start, inspect, cancel and re-drive runs; repair stranded work and handle dead
     letters. Settings come from SAGA_* variables (SAGA_AMQP_URL, SAGA_REDIS_URL, SAGA_NAMESPACE...).
 
-    Exit codes: 0 done, 1 refused, failed or not found, 2 usage or configuration error. With --json, an
-    error is {"error": {"code", "message", "ids"}} on stdout."""
+    Exit codes: 0 done, 1 refused, failed or not found, 2 usage or configuration error (RabbitMQ or Redis
+    unreachable included), 3 still running when a wait ended (wait, watch, --wait). With --json, an error
+    is {"error": {"code", "message", "ids"}} on stdout."""
 
 
 @main.command()
@@ -400,8 +402,12 @@ _queue_option = click.option(
 
 @main.group(name="dead-letters")
 def dead_letters() -> None:
-    """Messages the broker dead-lettered (every <namespace>.<queue>.dlq) or saga refused
+    """Messages the broker dead-lettered (<namespace>.<queue>.dlq) or saga refused
     (<namespace>.rejected), in the namespace of $SAGA_NAMESPACE only.
+
+    Without --queue they read the topology's dead-letter queues: every shard's, and those of the task
+    queues of the loaded contracts (--contracts / $SAGA_CONTRACTS); a task queue that only a stage names
+    is read with --queue <namespace>.task.<queue>.dlq.
 
     Reading never consumes: messages are read without acking and handed back, in order, when the
     command's channel closes. Only 'replay' and 'purge' remove anything."""

@@ -19,7 +19,10 @@ import json
 from collections.abc import Mapping
 from typing import IO, Any, NoReturn
 
+import aiormq
 import click
+import pamqp.exceptions
+import redis.exceptions
 
 from orchestrator.durability import DurabilityRefused
 from orchestrator.errors import ContractError, ContractLoadError, DefinitionError, SagaError
@@ -74,6 +77,8 @@ def error_of(exc: SagaError | click.ClickException) -> CliError:
         return exc
     if isinstance(exc, SagaError):
         exit_code = EXIT_USAGE if isinstance(exc, CONFIGURATION_ERRORS) else EXIT_REFUSED
+        # an error that says how the command ends (a wait that timed out: 3) overrides the default
+        exit_code = int(getattr(exc, "exit_code", exit_code))
         return CliError(exc.code, str(exc), _jsonable(exc.ids), exit_code)
     if isinstance(exc, CodedUsageError):
         return CliError(exc.code, exc.format_message(), _jsonable(exc.ids), exc.exit_code)
@@ -125,10 +130,43 @@ class SagaGroup(click.Group):
             raise _rendered(exc, as_json=ctx.meta[_JSON_META]) from exc
 
     def invoke(self, ctx: click.Context) -> Any:
+        as_json = bool(ctx.meta.get(_JSON_META))
         try:
             return super().invoke(ctx)
         except (SagaError, click.ClickException) as exc:
-            raise _rendered(exc, as_json=bool(ctx.meta.get(_JSON_META))) from exc
+            raise _rendered(exc, as_json=as_json) from exc
+        except SERVICE_ERRORS as exc:  # a command that let a broken connection through
+            raise _rendered(unreachable(exc), as_json=as_json) from exc
+        except Exception as exc:
+            if not as_json:
+                raise  # a bug: its traceback is what a report needs
+            error = CliError("internal_error", f"{type(exc).__name__}: {exc} (a bug: please report it)")
+            raise _AsJson(error) from exc
+
+
+#: What a command may meet when RabbitMQ or Redis is unreachable, stalls or fails midway.
+SERVICE_ERRORS: tuple[type[BaseException], ...] = (
+    aiormq.exceptions.AMQPError,
+    pamqp.exceptions.PAMQPException,
+    redis.exceptions.RedisError,
+    OSError,
+    TimeoutError,
+)
+
+
+def unreachable(exc: BaseException) -> CliError:
+    """A service that cannot be reached or failed midway: a configuration error (exit 2) naming the
+    setting to check."""
+    if isinstance(exc, redis.exceptions.RedisError):
+        code, which, setting = "redis_unreachable", "Redis", "SAGA_REDIS_URL"
+    elif isinstance(exc, aiormq.exceptions.AMQPError | pamqp.exceptions.PAMQPException):
+        code, which, setting = "broker_unreachable", "RabbitMQ", "SAGA_AMQP_URL"
+    else:
+        code, which, setting = "unreachable", "RabbitMQ or Redis", "SAGA_AMQP_URL / SAGA_REDIS_URL"
+    detail = str(exc) or type(exc).__name__
+    return CliError(
+        code, f"cannot reach {which} or it failed: {detail}; check {setting}", exit_code=EXIT_USAGE
+    )
 
 
 def _rendered(exc: SagaError | click.ClickException, *, as_json: bool) -> click.ClickException:

@@ -12,7 +12,7 @@ import click
 
 from orchestrator import observe, views
 from orchestrator.cli_runtime import _emit, _run, _settings
-from orchestrator.client import status_document
+from orchestrator.client import WaitTimeout, status_document
 from orchestrator.engine.model import RunStatus
 from orchestrator.settings import Settings, redis_client
 from orchestrator.store.redis_store import RedisStore
@@ -65,20 +65,21 @@ def status(run_id: str, inputs: bool, as_json: bool) -> None:
         click.echo(line)
 
 
-def _finished(document: dict[str, Any] | None, run_id: str, timeout_s: float | None) -> int:
-    """The exit code ``wait`` and ``watch`` share, and what they say on stderr when it is not 0."""
+def _finished(
+    document: dict[str, Any] | None, run_id: str, timeout_s: float | None, *, quiet: bool = False
+) -> int:
+    """The exit code ``wait`` and ``watch`` share, and what they say on stderr when it is not 0 (nothing
+    when ``quiet``: under --json the document on stdout says it)."""
     state = document["state"] if document else "pending"
     if state == RunStatus.COMPLETED:
         return 0
     if state == RunStatus.FAILED:
-        click.echo(f"run {run_id} failed: {(document or {}).get('reason') or 'no reason recorded'}", err=True)
-        return 1
-    click.echo(
-        f"run {run_id} is still {state} after {timeout_s:g} s; it goes on: 'saga wait {run_id}' waits "
-        f"again, 'saga status {run_id}' shows what it waits for",
-        err=True,
-    )
-    return EXIT_STILL_RUNNING
+        why = f"run {run_id} failed: {(document or {}).get('reason') or 'no reason recorded'}"
+    else:
+        why = str(WaitTimeout(run_id, state, timeout_s or 0.0))
+    if not quiet:
+        click.echo(why, err=True)
+    return 1 if state == RunStatus.FAILED else EXIT_STILL_RUNNING
 
 
 @click.command()
@@ -115,7 +116,7 @@ def wait(run_id: str, timeout_s: float, as_json: bool) -> None:
             await client.aclose()
 
     document = _run(go())
-    code = _finished(document, run_id, timeout_s)
+    code = _finished(document, run_id, timeout_s, quiet=as_json)
     state = document["state"] if document else "pending"
     if as_json:
         _emit(
@@ -160,6 +161,8 @@ def watch(run_id: str, interval_s: float, timeout_s: float | None) -> None:
     table = views.LiveTable(sys.stdout.isatty())
 
     def show(document: dict[str, Any] | None, elapsed_s: float) -> None:
+        if document is None:
+            return  # not created yet (or not at all): nothing to draw
         text = table.frame(document, elapsed_s)
         if text is not None:
             click.echo(text, nl=False)

@@ -17,12 +17,11 @@ from typing import TYPE_CHECKING, Any
 
 import aio_pika
 import click
-import redis
 
 from orchestrator.bus import names
 from orchestrator.bus.envelope import Signer
 from orchestrator.bus.publisher import Publisher
-from orchestrator.cli_errors import CliError, CodedUsageError
+from orchestrator.cli_errors import SERVICE_ERRORS, CliError, CodedUsageError, unreachable
 from orchestrator.cli_options import registry_options
 from orchestrator.client import Client, RedriveRefused
 from orchestrator.durability import DurabilityRefused, Role, check_startup
@@ -46,16 +45,6 @@ def _settings() -> Settings:
 
 def _emit(value: Any) -> None:
     click.echo(json.dumps(value, indent=2, sort_keys=True, ensure_ascii=False))
-
-
-def _unreachable(exc: BaseException) -> CliError:
-    if isinstance(exc, redis.exceptions.ConnectionError):
-        code, which = "redis_unreachable", "Redis"
-    elif isinstance(exc, aio_pika.exceptions.AMQPConnectionError):
-        code, which = "broker_unreachable", "RabbitMQ"
-    else:
-        code, which = "unreachable", "RabbitMQ or Redis"
-    return CliError(code, f"cannot reach {which}: {exc}; check SAGA_AMQP_URL / SAGA_REDIS_URL")
 
 
 class _Refused(CliError):
@@ -97,7 +86,7 @@ def _serve(make: Any) -> None:
     try:
         asyncio.run(main())
     except (aio_pika.exceptions.AMQPConnectionError, ConnectionError, OSError) as exc:
-        raise _unreachable(exc) from exc
+        raise unreachable(exc) from exc
 
 
 @click.command()
@@ -280,20 +269,19 @@ def definitions() -> None:
 def definitions_publish(
     files: tuple[str, ...], as_json: bool, modules: tuple[str, ...], registry_file: str | None
 ) -> None:
-    """Compile each FILE (against --contracts modules, like 'saga validate'), store its plan by digest
-    in Redis and make it the version new runs of its definition use. An invalid definition exits 1 with
-    its problems; the files before it stay published."""
+    """Compile every FILE (against --contracts modules, like 'saga validate'), then store each plan by
+    digest in Redis and make it the version new runs of its definition use. An invalid definition exits 1
+    with its problems, and then nothing is published."""
     from orchestrator.cli import Env  # after main exists: cli imports this module
 
     settings = _settings()
     env = Env(settings, modules, registry_file)
-    published = []
-    for path in files:
-        plan = env.compile(path)  # a DefinitionError is shown by the saga group
-        _run(publish_plans(settings, [plan]))
-        published.append(
-            {"file": path, "definition": plan.name, "version": plan.version, "digest": plan.digest}
-        )
+    plans = [(path, env.compile(path)) for path in files]  # a DefinitionError is shown by the saga group
+    _run(publish_plans(settings, [plan for _, plan in plans]))
+    published = [
+        {"file": path, "definition": plan.name, "version": plan.version, "digest": plan.digest}
+        for path, plan in plans
+    ]
     if as_json:
         _emit(published)
     else:
@@ -556,8 +544,8 @@ def _run(coro: Any) -> Any:
     failures become one error that names the settings to check."""
     try:
         return asyncio.run(coro)
-    except (aio_pika.exceptions.AMQPConnectionError, redis.exceptions.ConnectionError, OSError) as exc:
-        raise _unreachable(exc) from exc
+    except SERVICE_ERRORS as exc:
+        raise unreachable(exc) from exc
 
 
 # the read-only run commands (status, wait, watch, history, runs) are cli_observe's

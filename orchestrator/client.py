@@ -9,6 +9,7 @@ creates a run only once, so a start sent twice (a retry after a timeout) starts 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import difflib
 import hashlib
 import json
@@ -113,6 +114,7 @@ class WaitTimeout(SagaError):
 
     code = "wait_timeout"
     id_fields = ("run_id", "state")
+    exit_code = 3  # the CLI's "still running" (saga wait's, and every --wait's)
 
     def __init__(self, run_id: str, state: str, timeout_s: float) -> None:
         self.run_id = run_id
@@ -396,6 +398,11 @@ def check_claim(envelope: Envelope, key: str, claimed: Any) -> None:
         raise IdempotencyConflict(definition, key, envelope.run_id, held, digest)
 
 
+#: Give a claim back only if it still holds this start's digest (a start that could not be sent must not
+#: block its key for the retention period; one made by another start stays).
+UNCLAIM = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
+
+
 def published_names(prefix: str, keys: Iterable[Any]) -> list[str]:
     """The definitions with an active version, from the keys :func:`active_pattern` matched."""
     return sorted(definition_of_active_key(prefix, k.decode() if isinstance(k, bytes) else k) for k in keys)
@@ -448,19 +455,26 @@ class Client:
             return []
         return published_names(prefix, keys)
 
-    async def _claim(self, envelope: Envelope, key: str | None) -> None:
+    async def _claim(self, envelope: Envelope, key: str | None) -> tuple[str, str] | None:
         """Claim an idempotency key with the context's digest before the start is sent (SET NX GET, with
         the run retention as TTL), so the key never quietly gives a run started with another context.
-        With Redis unreachable the start goes on unchecked, as starts do then."""
+        With Redis unreachable the start goes on unchecked, as starts do then. Returns the claim this
+        start made (key name, digest), to give back if the start cannot be sent."""
         if key is None:
-            return
+            return None
         name = claim_key(self.settings.key_prefix, envelope.run_id)
         digest = context_digest(envelope.body["context"])
         try:
             held = await self.redis.set(name, digest, nx=True, px=self.settings.retention_ms, get=True)
         except redis.RedisError:
-            return
+            return None
         check_claim(envelope, key, held)
+        return (name, digest) if held is None else None
+
+    async def _unclaim(self, claim: tuple[str, str] | None) -> None:
+        if claim is not None:
+            with contextlib.suppress(redis.RedisError):  # then it blocks the key until it expires
+                await self.redis.eval(UNCLAIM, 1, *claim)  # type: ignore[misc]
 
     async def start(
         self, definition: str, context: Mapping[str, Any], idempotency_key: str | None = None
@@ -472,8 +486,12 @@ class Client:
         plan = await self._plan_of(definition)
         run_id = run_id_for(definition, idempotency_key)
         envelope = checked_start(self.signer, self.settings, plan, definition, run_id, context)
-        await self._claim(envelope, idempotency_key)
-        await self._publish(envelope, self.settings.names().start_exchange(plan.shard_class), run_id)
+        claim = await self._claim(envelope, idempotency_key)
+        try:
+            await self._publish(envelope, self.settings.names().start_exchange(plan.shard_class), run_id)
+        except BaseException:
+            await self._unclaim(claim)
+            raise
         return run_id
 
     async def _publish(self, envelope: Envelope, exchange_name: str, routing_key: str) -> None:
@@ -621,22 +639,34 @@ class SyncClient:
         plan = self._plan_of(definition)
         run_id = run_id_for(definition, idempotency_key)
         envelope = checked_start(self.signer, self.settings, plan, definition, run_id, context)
-        if idempotency_key is not None:
-            name = claim_key(self.settings.key_prefix, run_id)
-            digest = context_digest(envelope.body["context"])
-            try:  # as Client._claim: unchecked while Redis is unreachable
-                held = self.redis.set(name, digest, nx=True, px=self.settings.retention_ms, get=True)
-            except redis.RedisError:
-                held = None
-            check_claim(envelope, idempotency_key, held)
-        self._channel.basic_publish(
-            self.settings.names().start_exchange(plan.shard_class),
-            run_id,
-            encode(envelope),
-            pika.BasicProperties(message_id=envelope.message_id, delivery_mode=2),
-            mandatory=True,
-        )
+        claim = self._claim(envelope, idempotency_key)
+        try:
+            self._channel.basic_publish(
+                self.settings.names().start_exchange(plan.shard_class),
+                run_id,
+                encode(envelope),
+                pika.BasicProperties(message_id=envelope.message_id, delivery_mode=2),
+                mandatory=True,
+            )
+        except BaseException:
+            if claim is not None:
+                with contextlib.suppress(redis.RedisError):
+                    self.redis.eval(UNCLAIM, 1, *claim)
+            raise
         return run_id
+
+    def _claim(self, envelope: Envelope, key: str | None) -> tuple[str, str] | None:
+        """As :meth:`Client._claim`, blocking."""
+        if key is None:
+            return None
+        name = claim_key(self.settings.key_prefix, envelope.run_id)
+        digest = context_digest(envelope.body["context"])
+        try:
+            held = self.redis.set(name, digest, nx=True, px=self.settings.retention_ms, get=True)
+        except redis.RedisError:
+            return None
+        check_claim(envelope, key, held)
+        return (name, digest) if held is None else None
 
     def _plan_of(self, definition: str) -> ActivePlan:
         now = time.monotonic()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -133,7 +134,7 @@ def test_an_unreachable_redis_under_json_is_the_error_document() -> None:
     # status is one of the read-only commands: it gets the shape without saying anything about it
     env = {"SAGA_REDIS_URL": f"redis://{NOBODY}/0", "SAGA_AMQP_URL": f"amqp://guest:guest@{NOBODY}/"}
     result = invoke("status", "0" * 32, "--json", env=env)
-    assert result.exit_code == 1
+    assert result.exit_code == 2  # a configuration error, as for every command
     assert error_of(result)["code"] in ("redis_unreachable", "unreachable")
 
 
@@ -238,3 +239,20 @@ def test_the_help_says_what_the_tool_does_now() -> None:
         assert re.search(rf"^  {name}\s", text, re.MULTILINE), name
     purge = invoke("dead-letters", "purge", "--help").stdout
     assert "--yes" in purge and "--queue QUEUE" in purge
+
+
+def test_a_redis_that_accepts_and_never_answers_is_an_error_document_not_a_traceback() -> None:
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)  # accepts connections (the kernel does), never reads or answers
+    try:
+        host, port = silent.getsockname()
+        env = {"SAGA_REDIS_URL": f"redis://{host}:{port}/0", "SAGA_REDIS_TIMEOUT_S": "0.5"}
+        result = invoke("runs", "--json", env=env)
+        assert result.exit_code == 2, result.output
+        error = error_of(result)
+        assert error["code"] == "redis_unreachable" and "SAGA_REDIS_URL" in error["message"]
+        text = invoke("runs", env=env)
+        assert text.exit_code == 2 and text.stderr.startswith("error: cannot reach Redis")
+    finally:
+        silent.close()

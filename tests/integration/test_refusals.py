@@ -201,6 +201,25 @@ def test_an_idempotency_key_with_another_context_is_refused_with_both_digests(id
 # ---- 4. cancel and re-drive of a run that has ended -------------------------------------------------------
 
 
+def test_a_start_that_could_not_be_sent_gives_its_idempotency_key_back(idle: Stack) -> None:
+    # Given a start whose publish fails: its namespace has no start exchange on this broker
+    key = "upload-unsent"
+    nowhere = {"SAGA_NAMESPACE": "nowhere", "SAGA_KEY_PREFIX": idle.prefix}
+    lost = idle.saga(
+        "start", "model-ingest", "--context", '{"modelId": "m-1"}', "--idempotency-key", key,
+        extra_env=nowhere,
+    )  # fmt: skip
+    assert lost.returncode == 2, lost.stderr  # RabbitMQ refused it: a configuration error
+    run_id = run_id_for("model-ingest", key)
+    assert idle.redis.get(idempotency_key(idle.prefix, run_id)) is None  # the claim went back
+    # When the key is used again with a corrected context, in the right namespace
+    sent = idle.saga_json(
+        "start", "model-ingest", "--context", '{"modelId": "m-2"}', "--idempotency-key", key
+    )
+    # Then it is not refused as a conflict with a start that never left
+    assert sent["run_id"] == run_id
+
+
 def test_cancel_and_redrive_of_a_completed_run_are_refused_with_its_state(served: Stack) -> None:
     started = served.saga_json("start", "model-ingest", "--context", '{"modelId": "ended-1"}', "--wait", "30")
     run_id = started["run_id"]
@@ -361,3 +380,14 @@ def test_dead_letters_list_and_purge_keep_to_the_namespace(idle: Stack) -> None:
     }
     done = idle.saga("dead-letters", "purge", "--yes", "--queue", OTHER_DLQ, "--json")
     assert done.returncode == 2 and error_of(done)["code"] == "not_a_dead_letter_queue"
+
+
+def test_publish_with_one_invalid_file_publishes_none(idle: Stack) -> None:
+    # Given a valid definition not yet published, and an invalid one, in one publish
+    apps = ["tests.integration.probe_apps.a", "tests.integration.probe_apps.b"]
+    contracts = [arg for app in apps for arg in ("--contracts", app)]
+    valid = "tests/integration/probe_apps/probe-chain.yaml"
+    done = idle.saga("definitions", "publish", valid, "docs/examples/broken-model-ingest.yaml", *contracts)
+    # Then it exits 1 with the problems, and the valid one did not become active either
+    assert done.returncode == 1 and "broken-model-ingest.yaml" in done.stderr, done.stderr
+    assert idle.redis.get(active_key(idle.prefix, "probe-chain")) is None
