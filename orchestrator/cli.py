@@ -328,7 +328,7 @@ def _dead_letter_queues(queue: str | None, modules: tuple[str, ...], registry_fi
         try:
             return [deadletters.require_dead_letter_queue(queue, load_settings().names())]
         except deadletters.NotADeadLetterQueue as exc:
-            raise CodedUsageError(exc.code, f"Invalid value for '--queue': {exc}") from exc
+            raise CodedUsageError(exc.code, f"Invalid value for '--queue': {exc}", exc.ids) from exc
     return deadletters.dead_letter_queues(_topology_of(_env(modules, registry_file)), load_settings().names())
 
 
