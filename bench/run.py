@@ -37,8 +37,6 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-import redis.asyncio as aioredis  # noqa: E402
-
 from bench.stack import (  # noqa: E402
     BenchStack,
     cpu_seconds,
@@ -47,6 +45,7 @@ from bench.stack import (  # noqa: E402
     service_pids,
 )
 from orchestrator.client import Client  # noqa: E402
+from orchestrator.store.connect import async_client  # noqa: E402
 from orchestrator.store.keys import ShardKeys, index_key  # noqa: E402
 
 PEER = "saga"
@@ -107,7 +106,7 @@ class Watcher:
     """Reads run states from Redis: one run with a fast poll, many with one pipeline per poll."""
 
     def __init__(self, redis_url: str, prefix: str) -> None:
-        self.redis = aioredis.Redis.from_url(redis_url, decode_responses=True)
+        self.redis = async_client(redis_url, decode_responses=True)
         self.prefix = prefix
         self.shards: dict[str, str] = {}
 

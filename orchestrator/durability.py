@@ -15,13 +15,20 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any, cast
 from urllib.parse import urlsplit
 
 import redis
 
 from orchestrator.errors import SagaError
 from orchestrator.settings import DEVELOPMENT_SIGNING_SECRET, Settings
+from orchestrator.store.connect import (
+    BadRedisUrl,
+    config_of_every_primary,
+    info_of_every_primary,
+    is_cluster_url,
+    parse_cluster_url,
+    sync_client,
+)
 
 log = logging.getLogger(__name__)
 
@@ -166,34 +173,43 @@ def assess(facts: Facts) -> Verdict:
 
 
 def redis_location(url: str) -> str:
-    """``host:port/db`` of a Redis URL, for messages: never its password."""
+    """``host:port/db`` of a Redis URL (``cluster host:port,...`` of a cluster's), for messages: never its
+    password."""
     try:
+        if is_cluster_url(url):
+            return "cluster " + ",".join(f"{h}:{p}" for h, p in parse_cluster_url(url).nodes)
         parts = urlsplit(url)
         return f"{parts.hostname or '?'}:{parts.port or 6379}{parts.path or '/0'}"
-    except ValueError:
+    except (ValueError, BadRedisUrl):
         return "<unparseable SAGA_REDIS_URL>"
 
 
 def _appendfsync(client: redis.Redis) -> str | None:
     # Managed Redis often disables CONFIG: then the fsync policy is simply unknown, never a refusal.
+    # A cluster's is its weakest primary's (any that is not "always" loses what that one loses).
     try:
-        value = cast(dict[str, Any], client.config_get("appendfsync")).get("appendfsync")
+        values = config_of_every_primary(client, "appendfsync")
     except (redis.RedisError, OSError):
         return None
-    return str(value) if value else None
+    if not values or any(not v for v in values):
+        return None
+    return next((str(v) for v in values if v != "always"), "always")
 
 
 def _redis_facts(url: str) -> tuple[bool | None, str | None, str | None]:
     """(aof_enabled, appendfsync, error). Persistence is read with INFO, not CONFIG GET, which managed
-    Redis services often disable."""
-    client = redis.Redis.from_url(
-        url, socket_connect_timeout=REDIS_TIMEOUT_S, socket_timeout=REDIS_TIMEOUT_S, decode_responses=True
-    )
+    Redis services often disable. On a cluster every primary must have AOF on."""
     try:
-        info = cast(dict[str, Any], client.info("persistence"))
-        aof_enabled = int(info["aof_enabled"]) == 1
+        client = sync_client(
+            url, socket_connect_timeout=REDIS_TIMEOUT_S, socket_timeout=REDIS_TIMEOUT_S, decode_responses=True
+        )
+    except (redis.RedisError, redis.exceptions.RedisClusterException, OSError, BadRedisUrl) as exc:
+        return None, None, f"{type(exc).__name__}: {exc}"
+    try:
+        infos = info_of_every_primary(client, "persistence")
+        aof_enabled = bool(infos) and all(int(info["aof_enabled"]) == 1 for info in infos)
         return aof_enabled, _appendfsync(client) if aof_enabled else None, None
-    except (redis.RedisError, OSError, KeyError, ValueError) as exc:
+    except (redis.RedisError, redis.exceptions.RedisClusterException, OSError, KeyError, ValueError) as exc:
         return None, None, f"{type(exc).__name__}: {exc}"
     finally:
         client.close()

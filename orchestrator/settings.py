@@ -158,8 +158,11 @@ def redis_client(settings: Settings, *, per_reply_timeout: bool = True) -> aiore
     without a reset (a partition that drops connection state, an idle-timeout NAT, a hung server) blocks
     its await forever. Clients get a per-reply socket timeout; the orchestrator, whose every transition
     would pay for it, passes ``per_reply_timeout=False`` and bounds each of its Redis steps instead
-    (``ShardOptions.redis_timeout_s``)."""
-    return aioredis.Redis.from_url(
+    (``ShardOptions.redis_timeout_s``). A ``redis+cluster://`` URL gives a cluster client
+    (``orchestrator/store/connect.py``)."""
+    from orchestrator.store.connect import async_client
+
+    return async_client(
         settings.redis_url,
         decode_responses=True,
         socket_timeout=settings.redis_timeout_s if per_reply_timeout else None,

@@ -27,6 +27,7 @@ from orchestrator.contracts import Registry
 from orchestrator.observe import status_view
 from orchestrator.provision import provision
 from orchestrator.settings import Settings
+from orchestrator.store.connect import sync_client
 from orchestrator.store.redis_store import RedisStore
 from orchestrator.views import LiveTable
 from workers.demo.effects import DemoWorld
@@ -44,8 +45,8 @@ SLOW_MS = {
 def check_services(settings: Settings) -> None:
     problems = []
     try:
-        redis.Redis.from_url(settings.redis_url, socket_connect_timeout=2).ping()
-    except redis.RedisError as exc:
+        sync_client(settings.redis_url, socket_connect_timeout=2).ping()
+    except (redis.RedisError, redis.exceptions.RedisClusterException) as exc:
         problems.append(f"Redis at {settings.redis_url}: {exc}")
 
     async def amqp() -> None:
@@ -81,7 +82,7 @@ def spawn(name: str, args: list[str], env: dict[str, str]) -> subprocess.Popen[b
 
 async def run_one(settings: Settings) -> dict[str, Any]:
     model_id = f"model-{uuid.uuid4().hex[:6]}"
-    world = DemoWorld(redis.Redis.from_url(settings.redis_url, decode_responses=True), settings.key_prefix)
+    world = DemoWorld(sync_client(settings.redis_url, decode_responses=True), settings.key_prefix)
     for contract, delay in SLOW_MS.items():  # slow the demo workers down so the table has time to move
         world.set_fault(model_id, contract, delay_ms=delay)
     async with Client(settings) as client:

@@ -28,7 +28,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
+from redis.exceptions import RedisClusterException, RedisError
+
+from orchestrator.store.connect import async_client
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +44,8 @@ _RENEW = (
     "return 0"
 )
 _RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
-REDIS_TROUBLE = (RedisError, OSError, TimeoutError)
+# RedisClusterException: a cluster client that cannot map a slot to a node (mid-failover) is not a RedisError
+REDIS_TROUBLE = (RedisError, RedisClusterException, OSError, TimeoutError)
 
 
 def lane_key(prefix: str) -> str:
@@ -155,7 +158,7 @@ def lane_client(redis_url: str, lease_ms: int, timeout_s: float) -> aioredis.Red
     """A Redis client for the lane whose replies time out well within a renewal period, so that a renewal
     stuck on a dead connection leaves time for retries before the lease expires."""
     timeout = min(timeout_s, lease_ms / 6000)
-    return aioredis.Redis.from_url(
+    return async_client(
         redis_url,
         decode_responses=True,
         socket_timeout=timeout,

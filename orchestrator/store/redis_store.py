@@ -22,6 +22,7 @@ from redis.exceptions import ResponseError
 from orchestrator.engine import clocks
 from orchestrator.engine.model import Decision, RunSnapshot
 from orchestrator.errors import SagaError
+from orchestrator.store.connect import load_function_library
 from orchestrator.store.keys import ShardKeys, active_key, index_key, plan_key
 from orchestrator.store.spec import (
     Spec,
@@ -92,7 +93,7 @@ class RedisStore:
         return ShardKeys(self.prefix, shard)
 
     async def load_library(self) -> None:
-        await self.client.function_load(library_source(), replace=True)  # type: ignore[misc]
+        await load_function_library(self.client, library_source())
 
     async def _fcall(self, spec: Spec, keys: list[str]) -> list[Any]:
         args = [spec.encode()]
@@ -287,7 +288,12 @@ class RedisStore:
                 pipe.set(key, shard, nx=True)
             won = await pipe.execute()
         lost = [key for key, ok in zip(keys, won, strict=True) if not ok]
-        owners = dict(zip(lost, await self.client.mget(lost), strict=True)) if lost else {}
+        owners: dict[str, Any] = {}
+        if lost:  # GETs, not MGET: the claims are spread over the slots of a cluster
+            async with self.client.pipeline(transaction=False) as pipe:
+                for key in lost:
+                    pipe.get(key)
+                owners = dict(zip(lost, await pipe.execute(), strict=True))
         return [shard if ok else _str(owners.get(key) or shard) for key, ok in zip(keys, won, strict=True)]
 
     async def owner(self, run_id: str) -> str | None:

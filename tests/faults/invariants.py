@@ -12,7 +12,8 @@ Two kinds of property:
   ``wait_for_convergence`` polls these;
 * safety, which no amount of waiting changes (history is append-only): ``check_runs`` checks them once.
 
-The Redis client must decode responses (``decode_responses=True``), like ``Stack.redis``.
+The Redis client must decode responses (``decode_responses=True``), like ``Stack.redis``; it may be a
+``RedisCluster`` (every read names one key, and the outbox SCAN covers every primary: tests/cluster/).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import Any
 import redis
 
 from orchestrator.store.keys import ShardKeys, index_key, plan_key
+from workers.demo.effects import demo_key
 
 TERMINAL = ("completed", "failed")
 WORK_STAGES = ("action", "worker", "map")
@@ -362,8 +364,8 @@ def effect_violations(
     more tasks acted than committed transitions dispatched; the ledger's counts agree with its entries.
 
     The ledger is shared by every run under ``prefix``: ``runs`` must be all of them."""
-    ledger: dict[str, str] = r.hgetall(f"{prefix}:demo:effects")  # type: ignore[assignment]
-    counts: dict[str, str] = r.hgetall(f"{prefix}:demo:counts")  # type: ignore[assignment]
+    ledger: dict[str, str] = r.hgetall(demo_key(prefix, "effects"))  # type: ignore[assignment]
+    counts: dict[str, str] = r.hgetall(demo_key(prefix, "counts"))  # type: ignore[assignment]
     acted = Counter(ledger.values())
     dispatched: Counter[str] = Counter()
     succeeded: Counter[str] = Counter()

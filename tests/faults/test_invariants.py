@@ -17,6 +17,7 @@ from orchestrator.compiler import compile_text
 from orchestrator.store.keys import ShardKeys, index_key, plan_key
 from tests.conftest import DEMO_REGISTRY, ROOT
 from tests.faults import invariants
+from workers.demo.effects import demo_key
 
 pytestmark = pytest.mark.services
 
@@ -85,9 +86,9 @@ class Fabricated:
             r.xadd(self.keys.history(self.run_id), {**event, "detail": json.dumps(detail)})  # type: ignore[dict-item]
         ledger = {self.task(stage): contract for stage, contract in CONTRACTS.items()}
         ledger[self.task("finaliser:0")] = "audit.run-terminal"
-        r.hset(f"{self.prefix}:demo:effects", mapping=ledger)
+        r.hset(demo_key(self.prefix, "effects"), mapping=ledger)
         for contract in ledger.values():
-            r.hincrby(f"{self.prefix}:demo:counts", contract, 1)
+            r.hincrby(demo_key(self.prefix, "counts"), contract, 1)
 
     def check(self) -> list[str]:
         return invariants.check_runs(self.r, self.prefix, [self.run_id], all_runs=True)
@@ -142,21 +143,21 @@ def test_a_barrier_counted_below_zero(run: Fabricated) -> None:
 
 def test_a_succeeded_task_without_its_effect(run: Fabricated) -> None:
     run.write()
-    run.r.hdel(f"{run.prefix}:demo:effects", run.task("publish"))
-    run.r.hincrby(f"{run.prefix}:demo:counts", "catalogue.publish", -1)
+    run.r.hdel(demo_key(run.prefix, "effects"), run.task("publish"))
+    run.r.hincrby(demo_key(run.prefix, "counts"), "catalogue.publish", -1)
     only(run.check(), "catalogue.publish: 1 successes accepted but 0 effects")
 
 
 def test_an_effect_nothing_dispatched(run: Fabricated) -> None:
     run.write()
-    run.r.hset(f"{run.prefix}:demo:effects", "task-never-dispatched", "thumbnail.render")
-    run.r.hincrby(f"{run.prefix}:demo:counts", "thumbnail.render", 1)
+    run.r.hset(demo_key(run.prefix, "effects"), "task-never-dispatched", "thumbnail.render")
+    run.r.hincrby(demo_key(run.prefix, "counts"), "thumbnail.render", 1)
     only(run.check(), "thumbnail.render: 2 effects recorded but 1 tasks dispatched")
 
 
 def test_a_miscounted_ledger(run: Fabricated) -> None:
     run.write()
-    run.r.hincrby(f"{run.prefix}:demo:counts", "semantic.analyse", 1)
+    run.r.hincrby(demo_key(run.prefix, "counts"), "semantic.analyse", 1)
     only(run.check(), "semantic.analyse: the ledger counts 2 effects but holds 1")
 
 

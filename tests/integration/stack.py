@@ -23,12 +23,12 @@ from typing import Any
 from urllib.parse import quote
 
 import aio_pika
-import redis
 
 from orchestrator.bus.envelope import Envelope, Signer, encode
 from orchestrator.contracts import Registry
 from orchestrator.provision import provision
 from orchestrator.settings import Settings
+from orchestrator.store.connect import sync_client
 from orchestrator.store.keys import ShardKeys, index_key
 from workers.demo.effects import DemoWorld
 
@@ -88,7 +88,7 @@ class Stack:
             key_prefix=self.prefix,
             shard_count=shard_count,
         )
-        self.redis = redis.Redis.from_url(self.settings.redis_url, decode_responses=True)
+        self.redis = sync_client(self.settings.redis_url, decode_responses=True)
         self.world = DemoWorld(self.redis, self.prefix)
         self.signer = Signer.from_settings(self.settings.signing_keys)
         self.processes: dict[str, subprocess.Popen[bytes]] = {}

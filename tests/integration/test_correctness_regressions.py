@@ -27,6 +27,7 @@ from orchestrator.engine import ids
 from orchestrator.store.keys import active_key
 from tests.faults import invariants
 from tests.integration.stack import Stack, poll, running
+from workers.demo.effects import demo_key
 
 NAMES = Names()  # the stack runs in the default namespace, on a vhost of its own
 
@@ -76,7 +77,7 @@ def test_redrive_of_a_finaliser_only_failure_applies_and_completes(stack: Stack,
     start_raw(stack, run_id, "model-ingest", {"modelId": "fin-only"})
     assert stack.wait_finished(run_id)["status"] == "failed"
     assert stack.record(run_id)["intent"] == "completed"
-    stack.redis.delete(f"{stack.prefix}:demo:faults:{run_id}")  # the fault is fixed
+    stack.redis.delete(demo_key(stack.prefix, "faults", run_id))  # the fault is fixed
     # When it is re-driven
     done = stack.saga("redrive", run_id, "--wait", "30")
     # Then the CLI says what happened, and the run completed, every work stage reused
@@ -202,7 +203,7 @@ def test_after_a_redrive_a_stage_that_completed_and_was_not_undone_does_not_run_
     assert stack.record(run_id)["s:technical-metadata:status"] == "completed"
     assert stack.record(run_id)["s:render-thumbnail:status"] == "compensated"
     metadata_before = stack.world.effect_counts().get("metadata.extract", 0)
-    stack.redis.delete(f"{stack.prefix}:demo:faults:{model}")
+    stack.redis.delete(demo_key(stack.prefix, "faults", model))
     # When it is re-driven
     done = stack.saga("redrive", run_id, "--wait", "30")
     assert done.returncode == 0, done.stderr

@@ -22,6 +22,7 @@ from orchestrator.engine import ids
 from orchestrator.provision import publish_plans
 from orchestrator.store.keys import ShardKeys
 from tests.integration.stack import REGISTRY, Stack, poll, running
+from workers.demo.effects import demo_key
 
 pytestmark = pytest.mark.services
 
@@ -278,7 +279,7 @@ def test_saga_redrive_resumes_failed_runs_in_a_new_epoch_keeping_what_completed(
     runs = [client.start("model-ingest", {"modelId": model}) for model in models]
     assert all(client.wait(run_id, timeout_s=30).state == "failed" for run_id in runs)
     for model in models:  # the fault is fixed
-        stack.redis.delete(f"{stack.prefix}:demo:faults:{model}")
+        stack.redis.delete(demo_key(stack.prefix, "faults", model))
     # one run by id (waiting for its new epoch to end), the other two in bulk
     single = stack.saga("redrive", runs[0], "--reason", "metadata fixed", "--wait", "30")
     assert single.returncode == 0, single.stderr

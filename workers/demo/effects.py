@@ -1,9 +1,10 @@
-"""The demo's own "outside world": an effect ledger and fault knobs, in Redis under ``<prefix>:demo:``.
+"""The demo's own "outside world": an effect ledger and fault knobs, in Redis under ``<prefix>:demo:{demo}:``
+(one hash tag, so the one script call per task names keys of one slot on a Redis Cluster).
 
 * Every side effect is recorded once per idempotency key (``HSETNX``), so tests can count effects and
   prove a redelivered task did not act twice.
 * Faults are set per model id (per run id for the audit finaliser):
-  ``HSET <prefix>:demo:faults:<modelId> fail:thumbnail.render 1 delay:semantic.analyse 200`` makes that
+  ``HSET <prefix>:demo:{demo}:faults:<modelId> fail:thumbnail.render 1 delay:semantic.analyse 200`` makes that
   contract fail, or sleep first, for that model only; ``fail-times:<contract> N`` fails its first N calls
   (then it succeeds: a transient failure for retries to get past).
 """
@@ -15,6 +16,8 @@ from dataclasses import dataclass
 
 import redis
 import redis.asyncio as aioredis
+
+from orchestrator.store.connect import async_client
 
 # One round trip per task: read the faults for (model, contract); unless told to fail, record the
 # effect once per idempotency key. Returns {fail, delay_ms, first}.
@@ -31,13 +34,18 @@ return {0, tonumber(delay) or 0, first}
 """
 
 
+def demo_key(prefix: str, *parts: str) -> str:
+    """``demo_key(p, "effects")``, ``demo_key(p, "counts")``, ``demo_key(p, "faults", model_id)``."""
+    return ":".join([prefix, "demo", "{demo}", *parts])
+
+
 @dataclass
 class DemoWorld:
     client: redis.Redis
     prefix: str = "saga"
 
     def _key(self, *parts: str) -> str:
-        return ":".join([self.prefix, "demo", *parts])
+        return demo_key(self.prefix, *parts)
 
     def record_effect(self, contract: str, idempotency_key: str) -> bool:
         """Record the effect once; returns False when this key already acted (a duplicate delivery)."""
@@ -77,9 +85,9 @@ class AsyncDemoWorld:
 
     async def act(self, contract: str, model_id: str, idempotency_key: str) -> None:
         keys = [
-            f"{self.prefix}:demo:faults:{model_id}",
-            f"{self.prefix}:demo:effects",
-            f"{self.prefix}:demo:counts",
+            demo_key(self.prefix, "faults", model_id),
+            demo_key(self.prefix, "effects"),
+            demo_key(self.prefix, "counts"),
         ]
         fail, delay_ms, _ = await self.client.eval(ACT, 3, *keys, contract, idempotency_key)  # type: ignore[misc]
         if delay_ms:
@@ -93,7 +101,7 @@ _world: AsyncDemoWorld | None = None
 
 def configure(url: str, prefix: str) -> AsyncDemoWorld:
     global _world  # noqa: PLW0603 - one world per worker process, set at start-up
-    _world = AsyncDemoWorld(aioredis.Redis.from_url(url, decode_responses=True), prefix)
+    _world = AsyncDemoWorld(async_client(url, decode_responses=True), prefix)
     return _world
 
 
