@@ -26,13 +26,15 @@ import pydantic
 
 from orchestrator import deadletters
 from orchestrator.bus.topology import Topology, apply_topology, to_definitions, topology_for
-from orchestrator.cli_errors import CliError, CodedUsageError, SagaGroup
+from orchestrator.cli_errors import SERVICE_ERRORS, CliError, CodedUsageError, SagaGroup
 from orchestrator.cli_options import registry_options
 from orchestrator.compiler import CompiledPlan, compile_text
 from orchestrator.compiler.mermaid import render_mermaid
 from orchestrator.contracts import Registry
 from orchestrator.errors import ContractError, ContractLoadError, DefinitionError, Problem, SagaError
 from orchestrator.settings import Settings
+from orchestrator.shardmap import ShardMap
+from orchestrator.store import shardmap_store
 
 
 class Env:
@@ -218,11 +220,19 @@ def _redacted(url: str) -> str:
     return urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{host}"))
 
 
-def _topology_of(env: Env) -> Topology:
+def _topology_of(env: Env, shard_map: ShardMap | None = None) -> Topology:
     try:
-        return topology_for(env.settings, env.registry)
+        return topology_for(env.settings, env.registry, shard_map)
     except ValueError as exc:
         raise _BrokerError(f"cannot build the broker topology: {exc}", "topology_invalid") from exc
+
+
+def _shard_map(settings: Settings, *, seed: bool) -> ShardMap:
+    """The namespace's shard map (stored first, with ``seed``, if there is none yet)."""
+    try:
+        return asyncio.run(shardmap_store.current_map(settings, seed=seed))
+    except ValueError as exc:
+        raise _BrokerError(f"cannot build the shard map: {exc}", "topology_invalid") from exc
 
 
 def _broker_reason(exc: BaseException, url: str) -> str:
@@ -237,7 +247,9 @@ def _broker_reason(exc: BaseException, url: str) -> str:
     return reason.replace(url, _redacted(url))
 
 
-async def _apply_topology(url: str, topology: Topology) -> None:
+async def _apply_topology(url: str, build: Callable[[], Awaitable[Topology]]) -> Topology:
+    """Connect to the broker (first: an unreachable broker is said as such), then build the topology and
+    declare it."""
     broker_errors = (aiormq.exceptions.AMQPError, pamqp.exceptions.PAMQPException)
     # aiormq logs a failed connect before raising it; the error below says the same, once.
     logging.getLogger("aiormq").addHandler(logging.NullHandler())
@@ -248,8 +260,10 @@ async def _apply_topology(url: str, topology: Topology) -> None:
             f"cannot connect to RabbitMQ at {_redacted(url)}: {_broker_reason(exc, url)}"
         ) from exc
     try:
+        topology = await build()
         channel = await connection.channel()
         await apply_topology(channel, topology)
+        return topology
     except broker_errors as exc:
         raise _BrokerError(
             f"RabbitMQ at {_redacted(url)} refused the topology: {_broker_reason(exc, url)} (an exchange or "
@@ -269,10 +283,19 @@ def topology() -> None:
 @topology.command(name="apply")
 @registry_options
 def topology_apply(modules: tuple[str, ...], registry_file: str | None) -> None:
-    """Declare the topology on the broker at $SAGA_AMQP_URL (idempotent; never deletes anything)."""
+    """Declare the topology on the broker at $SAGA_AMQP_URL (idempotent; never deletes anything). Shards
+    follow the shard map in Redis; the first apply of a namespace stores the map SAGA_SHARD_CLASSES and
+    SAGA_SHARD_COUNT describe ('saga shards' changes it from then on)."""
     env = _env(modules, registry_file)
-    built = _topology_of(env)
-    asyncio.run(_apply_topology(env.settings.amqp_url, built))
+
+    async def build() -> Topology:
+        try:
+            shard_map = await shardmap_store.current_map(env.settings, seed=True)
+        except ValueError as exc:
+            raise _BrokerError(f"cannot build the shard map: {exc}", "topology_invalid") from exc
+        return _topology_of(env, shard_map)
+
+    built = asyncio.run(_apply_topology(env.settings.amqp_url, build))
     click.echo(f"applied {built.summary()} to {_redacted(env.settings.amqp_url)}")
 
 
@@ -297,7 +320,9 @@ def topology_export(
     modules: tuple[str, ...],
     registry_file: str | None,
 ) -> None:
-    """Print (or write) the topology as RabbitMQ definitions (for load_definitions or import_definitions)."""
+    """Print (or write) the topology as RabbitMQ definitions (for load_definitions or import_definitions).
+    Shards follow the namespace's shard map in Redis; where there is none (or Redis cannot be reached),
+    the first map SAGA_SHARD_CLASSES and SAGA_SHARD_COUNT describe."""
     pairs: list[tuple[str, str]] = []
     for user in users:
         name, sep, password = user.partition(":")
@@ -305,7 +330,12 @@ def topology_export(
             raise click.BadParameter(f"{user!r} is not NAME:PASSWORD", param_hint="--user")
         pairs.append((name, password))
     env = _env(modules, registry_file)
-    built = _topology_of(env)
+    try:
+        shard_map = _shard_map(env.settings, seed=False)
+    except SERVICE_ERRORS:
+        click.echo("note: Redis cannot be reached: shards as SAGA_SHARD_COUNT seeds them", err=True)
+        shard_map = None
+    built = _topology_of(env, shard_map)
     text = json.dumps(to_definitions(built, vhost, pairs), indent=2, sort_keys=True) + "\n"
     if output is None:
         click.echo(text, nl=False)
@@ -329,7 +359,10 @@ def _dead_letter_queues(queue: str | None, modules: tuple[str, ...], registry_fi
             return [deadletters.require_dead_letter_queue(queue, load_settings().names())]
         except deadletters.NotADeadLetterQueue as exc:
             raise CodedUsageError(exc.code, f"Invalid value for '--queue': {exc}", exc.ids) from exc
-    return deadletters.dead_letter_queues(_topology_of(_env(modules, registry_file)), load_settings().names())
+    settings = load_settings()
+    shard_map = _shard_map(settings, seed=False)  # the shards of the map, draining ones included
+    topology = _topology_of(_env(modules, registry_file), shard_map)
+    return deadletters.dead_letter_queues(topology, settings.names())
 
 
 def _on_broker(call: Callable[[aio_pika.abc.AbstractConnection], Awaitable[T]]) -> T:
@@ -540,8 +573,9 @@ def _register_runtime_commands() -> None:
     # after main exists: cli_runtime (and cli_observe, through it) import from here
     from orchestrator.cli_observe import COMMANDS as OBSERVE_COMMANDS
     from orchestrator.cli_runtime import COMMANDS
+    from orchestrator.cli_shards import shards
 
-    for command in [*COMMANDS, *OBSERVE_COMMANDS]:
+    for command in [*COMMANDS, *OBSERVE_COMMANDS, shards]:
         main.add_command(command)
 
 

@@ -149,6 +149,7 @@ SERVICE_ERRORS: tuple[type[BaseException], ...] = (
     aiormq.exceptions.AMQPError,
     pamqp.exceptions.PAMQPException,
     redis.exceptions.RedisError,
+    redis.exceptions.RedisClusterException,
     OSError,
     TimeoutError,
 )
@@ -157,7 +158,7 @@ SERVICE_ERRORS: tuple[type[BaseException], ...] = (
 def unreachable(exc: BaseException) -> CliError:
     """A service that cannot be reached or failed midway: a configuration error (exit 2) naming the
     setting to check."""
-    if isinstance(exc, redis.exceptions.RedisError):
+    if isinstance(exc, redis.exceptions.RedisError | redis.exceptions.RedisClusterException):
         code, which, setting = "redis_unreachable", "Redis", "SAGA_REDIS_URL"
     elif isinstance(exc, aiormq.exceptions.AMQPError | pamqp.exceptions.PAMQPException):
         code, which, setting = "broker_unreachable", "RabbitMQ", "SAGA_AMQP_URL"

@@ -31,7 +31,10 @@ from orchestrator.reconcile import Reconciler, Report
 from orchestrator.settings import Settings, redis_client
 from orchestrator.shard.processor import Processor
 from orchestrator.shard.service import ShardOptions, ShardService
+from orchestrator.shardmap import pinned
+from orchestrator.store import shardmap_store
 from orchestrator.store.redis_store import RedisStore
+from orchestrator.store.shardmap_store import current_map
 
 if TYPE_CHECKING:
     from workers.sdk import Handler
@@ -100,12 +103,15 @@ def orchestrator(shard_class: str | None, shards: str, verbose: bool) -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     settings = _settings()
-    classes = (shard_class,) if shard_class else settings.shard_classes
+    _require_durability(settings, Role.ORCHESTRATOR)
+    shard_map = _run(current_map(settings, seed=False))
+    classes = (shard_class,) if shard_class else tuple(shard_map.classes)
+    if shard_class and shard_class not in shard_map.classes:
+        raise click.UsageError(f"--class {shard_class}: the shard map has {', '.join(shard_map.classes)}")
     try:
-        shard_ids = names.parse_shards(shards, classes, settings.shard_count)
+        shard_ids = pinned(shard_map, shards, classes)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
-    _require_durability(settings, Role.ORCHESTRATOR)
 
     async def make() -> tuple[ShardService, Any]:
         connection = await aio_pika.connect_robust(
@@ -124,8 +130,19 @@ def orchestrator(shard_class: str | None, shards: str, verbose: bool) -> None:
             poison_after=settings.delivery_limit - 1,
             redis_timeout_s=settings.redis_timeout_s,
         )
+
+        async def follow() -> list[str]:
+            current = await shardmap_store.load(client, settings.key_prefix)
+            served = (current or shard_map).served
+            return [shard for shard in served if shard.rsplit(".", 1)[0] in classes]
+
         service = ShardService(
-            connection, store, Signer.from_settings(settings.signing_keys), shard_ids, options
+            connection,
+            store,
+            Signer.from_settings(settings.signing_keys),
+            shard_ids,
+            options,
+            follow=None if shards else follow,  # --shards pins; otherwise the map is followed
         )
 
         async def cleanup() -> None:
@@ -488,7 +505,7 @@ def reconcile(dry_run: bool, min_age_s: float, stranded_after_s: float, as_json:
     """Find and repair stranded work on every shard: unsent outbox entries, runs waiting on a message
     that is gone (re-sent with their own ids), and run-id claims without a run."""
     settings = _settings()
-    shards = names.parse_shards("", settings.shard_classes, settings.shard_count)
+    shards = _run(current_map(settings, seed=False)).served
 
     async def go() -> Report:
         connection = await aio_pika.connect_robust(settings.amqp_url)

@@ -21,13 +21,14 @@ from typing import Any
 
 import aio_pika
 import pika
-import redis
 
 from orchestrator.bus.envelope import Envelope, Kind, Signer, encode
 from orchestrator.engine.door import start_problems
 from orchestrator.engine.model import TERMINAL_RUN_STATUSES, RunSnapshot, RunStatus
 from orchestrator.errors import SagaError
 from orchestrator.settings import Settings, redis_client
+from orchestrator.store import shardmap_store
+from orchestrator.store.connect import REDIS_ERRORS, sync_client
 from orchestrator.store.keys import (
     ShardKeys,
     active_key,
@@ -167,6 +168,22 @@ class ActivePlanUnknown(SagaError):
         super().__init__(
             f"cannot resolve the active version of {definition!r}: Redis is unreachable ({exc}) and this "
             "client has not resolved it before; check SAGA_REDIS_URL"
+        )
+
+
+class ShardRetired(SagaError):
+    """A request for a run whose shard is retired: its queue is gone, and a retired shard held only
+    finished runs. Nothing was sent."""
+
+    code = "shard_retired"
+    id_fields = ("run_id", "shard")
+
+    def __init__(self, run_id: str, shard: str, request: str) -> None:
+        self.run_id = run_id
+        self.shard = shard
+        super().__init__(
+            f"run {run_id} belongs to shard {shard}, which is retired: no orchestrator serves it any more, "
+            f"so the {request} was not sent; its record stays readable until its retention ends"
         )
 
 
@@ -437,7 +454,7 @@ class Client:
         try:
             digest = await self.redis.get(active_key(self.settings.key_prefix, definition))
             raw = await self.redis.get(plan_key(self.settings.key_prefix, digest)) if digest else None
-        except redis.RedisError as exc:
+        except REDIS_ERRORS as exc:
             last = self._plans.last_known(definition)
             if last is None:
                 raise unreachable_without_cache(definition, exc) from exc
@@ -451,7 +468,7 @@ class Client:
         prefix = self.settings.key_prefix
         try:
             keys = [k async for k in self.redis.scan_iter(match=active_pattern(prefix), count=1000)]
-        except redis.RedisError:
+        except REDIS_ERRORS:
             return []
         return published_names(prefix, keys)
 
@@ -466,14 +483,14 @@ class Client:
         digest = context_digest(envelope.body["context"])
         try:
             held = await self.redis.set(name, digest, nx=True, px=self.settings.retention_ms, get=True)
-        except redis.RedisError:
+        except REDIS_ERRORS:
             return None
         check_claim(envelope, key, held)
         return (name, digest) if held is None else None
 
     async def _unclaim(self, claim: tuple[str, str] | None) -> None:
         if claim is not None:
-            with contextlib.suppress(redis.RedisError):  # then it blocks the key until it expires
+            with contextlib.suppress(*REDIS_ERRORS):  # then it blocks the key until it expires
                 await self.redis.eval(UNCLAIM, 1, *claim)  # type: ignore[misc]
 
     async def start(
@@ -543,6 +560,9 @@ class Client:
         shard = await self.redis.get(index_key(self.settings.key_prefix, run_id))
         if shard is None:
             raise RunNotFound(run_id)
+        shard_map = await shardmap_store.load(self.redis, self.settings.key_prefix)
+        if shard_map is not None and str(shard) not in shard_map.served:
+            raise ShardRetired(run_id, str(shard), kind.value)
         envelope = self.signer.sign(
             Envelope(
                 kind=kind,
@@ -617,7 +637,7 @@ class SyncClient:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.signer = Signer.from_settings(settings.signing_keys)
-        self.redis = redis.Redis.from_url(settings.redis_url, decode_responses=True)
+        self.redis = sync_client(settings.redis_url, decode_responses=True)
         self._plans = ActivePlans()
         self._connection = pika.BlockingConnection(pika.URLParameters(settings.amqp_url))
         self._channel = self._connection.channel()
@@ -650,7 +670,7 @@ class SyncClient:
             )
         except BaseException:
             if claim is not None:
-                with contextlib.suppress(redis.RedisError):
+                with contextlib.suppress(*REDIS_ERRORS):
                     self.redis.eval(UNCLAIM, 1, *claim)
             raise
         return run_id
@@ -663,7 +683,7 @@ class SyncClient:
         digest = context_digest(envelope.body["context"])
         try:
             held = self.redis.set(name, digest, nx=True, px=self.settings.retention_ms, get=True)
-        except redis.RedisError:
+        except REDIS_ERRORS:
             return None
         check_claim(envelope, key, held)
         return (name, digest) if held is None else None
@@ -676,7 +696,7 @@ class SyncClient:
         try:
             digest = self.redis.get(active_key(self.settings.key_prefix, definition))
             raw = self.redis.get(plan_key(self.settings.key_prefix, str(digest))) if digest else None
-        except redis.RedisError as exc:
+        except REDIS_ERRORS as exc:
             last = self._plans.last_known(definition)
             if last is None:
                 raise unreachable_without_cache(definition, exc) from exc
@@ -685,7 +705,7 @@ class SyncClient:
             try:
                 prefix = self.settings.key_prefix
                 published = published_names(prefix, self.redis.scan_iter(match=active_pattern(prefix)))
-            except redis.RedisError:
+            except REDIS_ERRORS:
                 published = []
             raise DefinitionNotFound(definition, published)
         return self._plans.put(definition, active_plan_from(definition, digest, raw), now)

@@ -18,11 +18,12 @@ import pamqp.exceptions
 import redis.asyncio as aioredis
 
 from orchestrator import views
-from orchestrator.bus import names
 from orchestrator.bus.names import SERIAL_TASKS
 from orchestrator.client import RunNotFound, status_document
 from orchestrator.engine.model import TERMINAL_RUN_STATUSES, RunStatus, StageStatus
 from orchestrator.settings import Settings, redis_client
+from orchestrator.shardmap import ShardMap
+from orchestrator.store import shardmap_store
 from orchestrator.store.keys import ShardKeys
 from orchestrator.store.redis_store import PlanNotFound, RedisStore
 from workers.serial_lane import holder_of, lane_key
@@ -226,7 +227,9 @@ async def list_runs(settings: Settings, wanted: RunFilter) -> list[dict[str, Any
     client = redis_client(settings)
     try:
         found: list[dict[str, Any]] = []
-        for shard in names.parse_shards("", settings.shard_classes, settings.shard_count):
+        shard_map = await shardmap_store.load(client, settings.key_prefix)
+        known = (shard_map or ShardMap.seed(settings.shard_classes, settings.shard_count)).known
+        for shard in known:  # retired shards' finished runs stay readable
             found += await _shard_runs(client, ShardKeys(settings.key_prefix, shard), wanted)
         found.sort(key=lambda r: (-r["created_at"], r["run_id"]))
         if wanted.limit is not None:

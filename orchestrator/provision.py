@@ -11,17 +11,19 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import aio_pika
-import redis.asyncio as aioredis
 
 from orchestrator.bus.topology import Topology, apply_topology, topology_for
 from orchestrator.compiler import CompiledPlan, compile_text
 from orchestrator.contracts import Registry
 from orchestrator.settings import Settings
+from orchestrator.store.connect import async_client
 from orchestrator.store.redis_store import RedisStore
+from orchestrator.store.shardmap_store import current_map
 
 
 async def declare_topology(settings: Settings, registry: Registry) -> Topology:
-    topology = topology_for(settings, registry)
+    """Declare the topology of the namespace's shard map (stored first if there is none yet)."""
+    topology = topology_for(settings, registry, await current_map(settings, seed=True))
     connection = await aio_pika.connect(settings.amqp_url)
     try:
         await apply_topology(await connection.channel(), topology)
@@ -37,7 +39,7 @@ def compile_files(paths: Iterable[Path], registry: Registry, settings: Settings)
 
 async def publish_plans(settings: Settings, plans: Iterable[CompiledPlan]) -> None:
     """Store each plan by digest (immutable) and make it the active version of its definition."""
-    client = aioredis.Redis.from_url(settings.redis_url)
+    client = async_client(settings.redis_url)
     try:
         store = RedisStore(client, settings.key_prefix)
         for plan in plans:

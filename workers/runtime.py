@@ -298,12 +298,29 @@ class WorkerRuntime:
         finally:
             if not turn.handed_over:  # no handler runs on it: give it back now
                 turn.finished()
+        await self._report_result(publisher, envelope, outcome, settle)
+
+    async def _report_result(
+        self, publisher: Publisher, envelope: Envelope, outcome: Outcome, settle: _Settle
+    ) -> None:
+        """Send the attempt's result to its run's shard; settle the task once the result is safe."""
         result = self._result(envelope, outcome)
         faults.crash(self.crash_points, "worker-after-effect")
+        result_id = ids.result_id(envelope.message_id)
         try:
-            await publisher.publish_bytes(
-                result, ids.result_id(envelope.message_id), self.names.runs_exchange, envelope.shard
-            )
+            await publisher.publish_bytes(result, result_id, self.names.runs_exchange, envelope.shard)
+        except aiormq.exceptions.PublishError:
+            # The run's shard has no queue (retired, so the run has ended): no retry can deliver it, and
+            # requeueing the task would only run it again. The result is parked with the reason.
+            why = f"the result is for shard {envelope.shard}, which has no queue (retired?)"
+            log.warning("result of %s of run %s: %s; parked", envelope.stage, envelope.run_id, why)
+            try:
+                await publisher.reject(result, "unroutable", why, self.names.runs_exchange, result_id)
+            except Exception:
+                await settle.requeue()
+                return
+            await settle.ack()
+            return
         except Exception:
             log.exception(
                 "could not report %s of run %s; the task goes back to the queue",

@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
-from orchestrator.bus.names import BUILTIN_TASK_QUEUES, Names, dead_letter_queue, shard_id
+from orchestrator.bus.names import BUILTIN_TASK_QUEUES, Names, dead_letter_queue
+from orchestrator.shardmap import ShardMap, ShardState
 
 if TYPE_CHECKING:
     import aio_pika.abc
@@ -133,15 +134,7 @@ def _check_task_queue(name: str) -> None:
         )
 
 
-def _check_settings(
-    shard_classes: tuple[str, ...], shard_count: int, delivery_limit: int, queues: Iterable[str]
-) -> None:
-    if not shard_classes:
-        raise ValueError("at least one shard class is needed")
-    if len(set(shard_classes)) != len(shard_classes):
-        raise ValueError(f"shard classes are listed twice: {', '.join(shard_classes)}")
-    if shard_count < 1:
-        raise ValueError(f"shard count must be at least 1, got {shard_count}")
+def _check_settings(delivery_limit: int, queues: Iterable[str]) -> None:
     if delivery_limit < 1:
         raise ValueError(f"delivery limit must be at least 1, got {delivery_limit}")
     for name in queues:
@@ -179,18 +172,19 @@ class TaskQueueLayout:
 
 def build_topology(
     names: Names,
-    shard_classes: tuple[str, ...],
-    shard_count: int,
+    shard_map: ShardMap,
     task_queues: Iterable[tuple[str, str]],
     delivery_limit: int,
 ) -> Topology:
     """Every exchange and queue the orchestrator uses, and the contract queues of ``task_queues`` (pairs of
     task queue and contract ``name@version``). Pure and deterministic.
 
-    Raises ValueError for settings no broker layout can satisfy (no classes, duplicate classes, a shard count
-    or delivery limit below 1, a task queue with an orchestrator-reserved name)."""
+    Shards follow the map: an active shard's queue is bound to its class's start exchange and to the runs
+    exchange; a draining one only to the runs exchange (no new starts, its runs still reach it); a retired
+    one is not there at all. Raises ValueError for settings no broker layout can satisfy (a delivery limit
+    below 1, a task queue with an orchestrator-reserved name)."""
     pairs = sorted(set(task_queues))
-    _check_settings(shard_classes, shard_count, delivery_limit, {queue for queue, _ in pairs})
+    _check_settings(delivery_limit, {queue for queue, _ in pairs})
 
     exchanges: list[Exchange] = [
         Exchange(names.runs_exchange, DIRECT),
@@ -201,22 +195,23 @@ def build_topology(
     queues: list[Queue] = []
     bindings: list[Binding] = []
 
-    for shard_class in shard_classes:
-        exchange = names.start_exchange(shard_class)
-        exchanges.append(Exchange(exchange, CONSISTENT_HASH))
-        for number in range(shard_count):
-            shard = shard_id(shard_class, number)
-            name = names.shard_queue(shard)
-            dlq = dead_letter_queue(name)
-            queues.append(
-                _dead_lettered(
-                    name, dlq, names, {"x-single-active-consumer": True, "x-delivery-limit": delivery_limit}
-                )
+    for shard_class in shard_map.classes:
+        exchanges.append(Exchange(names.start_exchange(shard_class), CONSISTENT_HASH))
+    for entry in shard_map.shards:
+        if entry.state is ShardState.RETIRED:
+            continue
+        name = names.shard_queue(entry.id)
+        dlq = dead_letter_queue(name)
+        queues.append(
+            _dead_lettered(
+                name, dlq, names, {"x-single-active-consumer": True, "x-delivery-limit": delivery_limit}
             )
-            bindings.append(Binding(exchange, name, HASH_WEIGHT))
-            bindings.append(Binding(names.runs_exchange, name, shard))
-            queues.append(_plain(dlq))
-            bindings.append(Binding(names.dead_letter_exchange, dlq, dlq))
+        )
+        if entry.state is ShardState.ACTIVE:
+            bindings.append(Binding(names.start_exchange(entry.shard_class), name, HASH_WEIGHT))
+        bindings.append(Binding(names.runs_exchange, name, entry.id))
+        queues.append(_plain(dlq))
+        bindings.append(Binding(names.dead_letter_exchange, dlq, dlq))
 
     dead_letter_queues: dict[str, tuple[Queue, Binding]] = {}
     for queue, contract in pairs:
@@ -244,13 +239,11 @@ def serving_queues(contracts: Iterable[Contract], queues: Iterable[str] = ()) ->
     return sorted(pairs)
 
 
-def topology_for(settings: Settings, registry: Registry) -> Topology:
+def topology_for(settings: Settings, registry: Registry, shard_map: ShardMap | None = None) -> Topology:
+    """The topology of ``shard_map`` (None: the first map the settings seed)."""
+    chosen = shard_map or ShardMap.seed(settings.shard_classes, settings.shard_count)
     return build_topology(
-        settings.names(),
-        settings.shard_classes,
-        settings.shard_count,
-        serving_queues(registry.contracts()),
-        settings.delivery_limit,
+        settings.names(), chosen, serving_queues(registry.contracts()), settings.delivery_limit
     )
 
 

@@ -17,13 +17,14 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import aio_pika
 import aiormq
 from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractRobustConnection
 from aiormq.exceptions import ChannelInvalidStateError
+from redis.exceptions import ClusterDownError, RedisClusterException, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -39,7 +40,17 @@ from orchestrator.store.redis_store import RedisStore
 
 log = logging.getLogger(__name__)
 # TimeoutError: a Redis step that outlived ShardOptions.redis_timeout_s.
-REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, ConnectionRefusedError, OSError, TimeoutError)
+# A Redis Cluster failing over or resharding says so with these: the shard pauses, as for Redis down.
+REDIS_DOWN = (
+    RedisConnectionError,
+    RedisTimeoutError,
+    ClusterDownError,
+    TryAgainError,
+    RedisClusterException,
+    ConnectionRefusedError,
+    OSError,
+    TimeoutError,
+)
 
 
 def now_ms() -> int:
@@ -68,6 +79,7 @@ class ShardOptions:
     # with the reason, before the broker drops it into the dead-letter queue on its own).
     poison_after: int = 19
     reconcile_interval_s: float = 60.0  # look for stranded runs of the served shards this often
+    map_poll_s: float = 5.0  # how often a process that follows the shard map reads it again
     stranded_after_ms: int = 600_000  # a running run quiet this long, with nothing on its way, is stranded
     crash_points: frozenset[str] = frozenset()  # tests only: see crash()
 
@@ -94,7 +106,11 @@ class ShardService:
     shards: list[str]
     options: ShardOptions = field(default_factory=ShardOptions)
     clock_ms: Callable[[], int] = now_ms
+    # The shards to serve now, read again every ``map_poll_s`` (None: serve ``shards``, a static pin): a
+    # shard added to the map is served, a retired one left.
+    follow: Callable[[], Awaitable[list[str]]] | None = None
     _stopping: asyncio.Event = field(default_factory=asyncio.Event)
+    _leaving: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         limits = Limits(self.options.max_message_bytes, self.options.max_transition_bytes)
@@ -107,7 +123,37 @@ class ShardService:
     async def run(self) -> None:
         await self._wait_for_redis()
         await self.store.load_library()
-        await asyncio.gather(*(self._serve(shard) for shard in self.shards))
+        serving = {shard: asyncio.create_task(self._serve(shard)) for shard in self.shards}
+        follow = self.follow
+        while follow is not None and not self._stopping.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), self.options.map_poll_s)
+            if not self._stopping.is_set():
+                await self._follow(serving, follow)
+        await asyncio.gather(*serving.values(), return_exceptions=True)
+
+    async def _follow(
+        self, serving: dict[str, asyncio.Task[None]], follow: Callable[[], Awaitable[list[str]]]
+    ) -> None:
+        """Serve what the shard map says now: start on added shards, leave retired ones."""
+        try:
+            wanted = set(await follow())
+        except Exception as exc:  # Redis trouble: keep serving what we serve; the next read may do
+            log.warning("could not read the shard map (%s); serving %d shard(s) as before", exc, len(serving))
+            return
+        for shard, task in list(serving.items()):
+            if task.done():
+                del serving[shard]
+                self._leaving.discard(shard)
+        for shard in sorted(wanted - serving.keys()):
+            log.info("shard %s: in the shard map now; serving it", shard)
+            serving[shard] = asyncio.create_task(self._serve(shard))
+        for shard in sorted(serving.keys() - wanted - self._leaving):
+            log.info("shard %s: no longer in the map's served shards (retired); leaving it", shard)
+            self._leaving.add(shard)
+
+    def _left(self, shard: str) -> bool:
+        return self._stopping.is_set() or shard in self._leaving
 
     async def _wait_for_redis(self) -> None:
         while not self._stopping.is_set():
@@ -120,7 +166,7 @@ class ShardService:
                 await asyncio.sleep(self.options.redis_retry_s)
 
     async def _serve(self, shard: str) -> None:
-        while not self._stopping.is_set():
+        while not self._left(shard):
             channel: AbstractChannel | None = None
             try:
                 await self._wait_for_redis()
@@ -164,7 +210,7 @@ class ShardService:
         next_timers = time.monotonic()
         next_reconcile = time.monotonic() + self.options.reconcile_interval_s
         try:
-            while not self._stopping.is_set():
+            while not self._left(shard):
                 if time.monotonic() >= next_timers:
                     await self._fire_timers(shard, publisher)
                     next_timers = time.monotonic() + self.options.timer_poll_s

@@ -23,6 +23,7 @@ from orchestrator.bus.names import Names, parse_shards
 from orchestrator.client import IdempotencyConflict, SyncClient, context_digest, run_id_for
 from orchestrator.store.keys import active_key, idempotency_key
 from tests.integration.stack import Stack, running
+from workers.demo.effects import demo_key
 
 pytestmark = pytest.mark.services
 
@@ -259,7 +260,7 @@ def test_cancel_of_a_failed_run_is_refused_and_redrive_still_applies(served: Sta
     assert requests_recorded(served, run_id) == []
 
     # a failed run is what a re-drive is for: the client lets it through
-    served.redis.delete(f"{served.prefix}:demo:faults:ended-2")
+    served.redis.delete(demo_key(served.prefix, "faults", "ended-2"))
     done = served.saga("redrive", run_id, "--wait", "30")
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == f"{run_id} redriven (epoch 2): completed"

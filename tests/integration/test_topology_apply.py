@@ -22,6 +22,7 @@ import pytest
 from orchestrator.bus.names import Names
 from orchestrator.bus.topology import Topology, apply_topology, build_topology, serving_queues, to_definitions
 from orchestrator.contracts import Registry
+from orchestrator.shardmap import ShardMap
 
 pytestmark = [
     pytest.mark.services,
@@ -61,7 +62,7 @@ def vhost() -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def topo(registry: Registry) -> Topology:
-    return build_topology(NAMES, ("fast", "slow"), 4, serving_queues(registry.contracts()), 20)
+    return build_topology(NAMES, ShardMap.seed(("fast", "slow"), 4), serving_queues(registry.contracts()), 20)
 
 
 def broker_queues(vhost: str) -> dict[str, dict[str, Any]]:
@@ -169,7 +170,7 @@ def test_routing(vhost: str, topo: Topology) -> None:
 
 
 def test_delivery_limit_dead_letters_a_message_requeued_too_often(vhost: str) -> None:
-    small = build_topology(NAMES, ("fast",), 1, [], 2)
+    small = build_topology(NAMES, ShardMap.seed(("fast",), 1), [], 2)
 
     async def scenario() -> int:
         await _apply(vhost, small)
@@ -203,9 +204,9 @@ def test_delivery_limit_dead_letters_a_message_requeued_too_often(vhost: str) ->
 def test_apply_refuses_changed_arguments(vhost: str) -> None:
     import aiormq
 
-    asyncio.run(_apply(vhost, build_topology(NAMES, ("fast",), 1, [], 20)))
+    asyncio.run(_apply(vhost, build_topology(NAMES, ShardMap.seed(("fast",), 1), [], 20)))
     with pytest.raises(aiormq.exceptions.ChannelPreconditionFailed, match="x-delivery-limit"):
-        asyncio.run(_apply(vhost, build_topology(NAMES, ("fast",), 1, [], 30)))
+        asyncio.run(_apply(vhost, build_topology(NAMES, ShardMap.seed(("fast",), 1), [], 30)))
 
 
 # ---- the file and the command ------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from orchestrator.deadletters import (
     replay_target,
     require_dead_letter_queue,
 )
+from orchestrator.shardmap import ShardMap
 
 NAMES = Names()
 REJECTED_QUEUE = NAMES.rejected_queue
@@ -109,7 +110,9 @@ def test_another_namespace_s_dead_letters_are_not_this_one_s() -> None:
 
 
 def test_every_dead_letter_queue_of_the_topology_is_searched() -> None:
-    topology = build_topology(NAMES, ("fast",), 2, [("rendering", "r@1"), ("tasks.serial", "r@1")], 20)
+    topology = build_topology(
+        NAMES, ShardMap.seed(("fast",), 2), [("rendering", "r@1"), ("tasks.serial", "r@1")], 20
+    )
     assert dead_letter_queues(topology, NAMES) == [
         "saga.shard.fast.0.dlq",
         "saga.shard.fast.1.dlq",

@@ -23,6 +23,7 @@ from orchestrator.bus.topology import (
 from orchestrator.cli import main
 from orchestrator.contracts import Registry
 from orchestrator.settings import Settings
+from orchestrator.shardmap import ShardMap
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFINITIONS_FILE = ROOT / "rabbitmq" / "definitions.json"
@@ -45,11 +46,14 @@ def _default_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     for key in list(os.environ):
         if key.startswith("SAGA_"):
             monkeypatch.delenv(key)
+    # no Redis: export then describes the first shard map the settings seed, whatever the machine's
+    # Redis holds for the default namespace
+    monkeypatch.setenv("SAGA_REDIS_URL", "redis://127.0.0.1:1/0")
 
 
 @pytest.fixture(scope="module")
 def topo(registry: Registry) -> Topology:
-    return build_topology(NAMES, ("fast", "slow"), 4, serving_queues(registry.contracts()), 20)
+    return build_topology(NAMES, ShardMap.seed(("fast", "slow"), 4), serving_queues(registry.contracts()), 20)
 
 
 def _names(queues: tuple[Queue, ...]) -> list[str]:
@@ -97,7 +101,7 @@ def test_shard_queue_bindings(topo: Topology, name: str) -> None:
 
 
 def test_shard_count_and_delivery_limit_come_from_the_arguments() -> None:
-    topo = build_topology(NAMES, ("fast",), 12, [], 7)
+    topo = build_topology(NAMES, ShardMap.seed(("fast",), 12), [], 7)
     shards = [q for q in topo.queues if q.name.startswith("saga.shard.") and not q.name.endswith(".dlq")]
     assert _names(tuple(shards)) == [f"saga.shard.fast.{n}" for n in range(12)]
     assert {q.arguments["x-delivery-limit"] for q in shards} == {7}
@@ -145,7 +149,7 @@ def test_named_queues_from_contracts_are_present(registry: Registry, topo: Topol
 
 def test_contract_queues_are_deduplicated_and_sorted() -> None:
     pairs = [("zeta", "b@1"), ("alpha", "a@1"), ("zeta", "b@1"), ("tasks.serial", "a@1")]
-    topo = build_topology(NAMES, ("fast",), 1, pairs, 20)
+    topo = build_topology(NAMES, ShardMap.seed(("fast",), 1), pairs, 20)
     assert _contract_queues(topo) == [
         "saga.task.alpha:a@1",
         "saga.task.tasks.serial:a@1",
@@ -154,14 +158,14 @@ def test_contract_queues_are_deduplicated_and_sorted() -> None:
 
 
 def test_no_task_queue_without_a_contract() -> None:
-    topo = build_topology(NAMES, ("fast",), 1, [], 20)
+    topo = build_topology(NAMES, ShardMap.seed(("fast",), 1), [], 20)
     assert _contract_queues(topo) == []
 
 
 @pytest.mark.parametrize("name", ["orch.fast.9", "saga.rejected", "saga.anything", "rendering.dlq", "amq.x"])
 def test_task_queues_with_reserved_names_are_refused(name: str) -> None:
     with pytest.raises(ValueError, match=f"task queue '{name}' uses a reserved name"):
-        build_topology(NAMES, ("fast",), 4, [(name, "x@1")], 20)
+        build_topology(NAMES, ShardMap.seed(("fast",), 4), [(name, "x@1")], 20)
 
 
 @pytest.mark.parametrize(
@@ -177,7 +181,7 @@ def test_impossible_settings_are_refused(
     classes: tuple[str, ...], count: int, limit: int, message: str
 ) -> None:
     with pytest.raises(ValueError, match=message):
-        build_topology(NAMES, classes, count, [], limit)
+        build_topology(NAMES, ShardMap.seed(classes, count), [], limit)
 
 
 # ---- dead letters and saga.rejected ------------------------------------------------------------------------
@@ -221,8 +225,8 @@ def test_every_binding_joins_a_declared_exchange_and_queue(topo: Topology) -> No
 
 def test_deterministic(registry: Registry) -> None:
     queues = serving_queues(registry.contracts())
-    first = build_topology(NAMES, ("fast", "slow"), 4, queues, 20)
-    again = build_topology(NAMES, ("fast", "slow"), 4, list(reversed(queues)) + queues, 20)
+    first = build_topology(NAMES, ShardMap.seed(("fast", "slow"), 4), queues, 20)
+    again = build_topology(NAMES, ShardMap.seed(("fast", "slow"), 4), list(reversed(queues)) + queues, 20)
     assert first == again
     assert json.dumps(to_definitions(first)) == json.dumps(to_definitions(again))
 
@@ -237,7 +241,7 @@ def test_values_are_immutable(topo: Topology) -> None:
 def test_topology_for_reads_settings_and_registry(registry: Registry) -> None:
     settings = Settings(shard_classes=("fast",), shard_count=2, delivery_limit=5)
     topo = topology_for(settings, registry)
-    assert topo == build_topology(NAMES, ("fast",), 2, serving_queues(registry.contracts()), 5)
+    assert topo == build_topology(NAMES, ShardMap.seed(("fast",), 2), serving_queues(registry.contracts()), 5)
     assert topo.queue("saga.shard.fast.1").arguments["x-delivery-limit"] == 5
 
 
@@ -271,7 +275,7 @@ def test_definitions_format(topo: Topology) -> None:
 
 
 def test_definitions_order_is_natural() -> None:
-    defs = to_definitions(build_topology(NAMES, ("fast",), 12, [], 20))
+    defs = to_definitions(build_topology(NAMES, ShardMap.seed(("fast",), 12), [], 20))
     shards = [
         q["name"] for q in defs["queues"] if q["name"].startswith("saga.shard") and "dlq" not in q["name"]
     ]
@@ -279,7 +283,9 @@ def test_definitions_order_is_natural() -> None:
 
 
 def test_definitions_users() -> None:
-    defs = to_definitions(build_topology(NAMES, ("fast",), 1, [], 20), "v", [("b", "pw-b"), ("a", "pw-a")])
+    defs = to_definitions(
+        build_topology(NAMES, ShardMap.seed(("fast",), 1), [], 20), "v", [("b", "pw-b"), ("a", "pw-a")]
+    )
     assert defs["users"] == [
         {"name": "a", "password": "pw-a", "tags": "administrator"},
         {"name": "b", "password": "pw-b", "tags": "administrator"},
