@@ -5,6 +5,7 @@ main group by ``orchestrator.cli``."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import getpass
 import importlib
 import json
@@ -31,8 +32,8 @@ from orchestrator.reconcile import Reconciler, Report
 from orchestrator.settings import Settings, redis_client
 from orchestrator.shard.processor import Processor
 from orchestrator.shard.service import ShardOptions, ShardService
-from orchestrator.shardmap import pinned
-from orchestrator.store import shardmap_store
+from orchestrator.shardmap import ShardMap, ShardState, assign, pinned
+from orchestrator.store import membership, shardmap_store
 from orchestrator.store.redis_store import RedisStore
 from orchestrator.store.shardmap_store import current_map
 
@@ -97,14 +98,20 @@ def _serve(make: Any) -> None:
 @click.option("--shards", default="", help="Shard numbers: '0-3', '1,3' (default: all).")
 @click.option("-v", "--verbose", is_flag=True, help="Log at INFO level.")
 def orchestrator(shard_class: str | None, shards: str, verbose: bool) -> None:
-    """Consume shard queues and advance runs (several processes may serve the same shards)."""
+    """Consume shard queues and advance runs. Without --shards the process joins the others that follow
+    the shard map: the live ones divide the served shards of their classes evenly among themselves, and
+    take over the shards of one that stops or dies (its lease ends) within seconds. --shards pins it."""
     logging.basicConfig(
         level=logging.INFO if verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     settings = _settings()
     _require_durability(settings, Role.ORCHESTRATOR)
-    shard_map = _run(current_map(settings, seed=False))
+    try:
+        shard_map = asyncio.run(current_map(settings, seed=False))
+    except SERVICE_ERRORS as exc:  # it waits for Redis once running; the map is read again then
+        logging.getLogger(__name__).warning("cannot read the shard map yet (%s); starting from settings", exc)
+        shard_map = ShardMap.seed(settings.shard_classes, settings.shard_count)
     classes = (shard_class,) if shard_class else tuple(shard_map.classes)
     if shard_class and shard_class not in shard_map.classes:
         raise click.UsageError(f"--class {shard_class}: the shard map has {', '.join(shard_map.classes)}")
@@ -131,28 +138,48 @@ def orchestrator(shard_class: str | None, shards: str, verbose: bool) -> None:
             redis_timeout_s=settings.redis_timeout_s,
         )
 
-        async def follow() -> list[str]:
-            current = await shardmap_store.load(client, settings.key_prefix)
-            served = (current or shard_map).served
-            return [shard for shard in served if shard.rsplit(".", 1)[0] in classes]
+        me = membership.process_id()
 
+        async def follow() -> list[str]:
+            """This process's share of the served shards, as the live members divide them now."""
+            live = await membership.renew(client, settings.key_prefix, list(classes), me, _now_ms())
+            current = await shardmap_store.load(client, settings.key_prefix) or shard_map
+            mine, offset = [], 0
+            for c in classes:
+                served = current.in_state(*SERVED, shard_class=c)
+                mine += assign(served, live[c], me, offset)
+                offset += len(served)
+            return mine
+
+        following = not shards  # --shards pins; otherwise the map and the other members are followed
         service = ShardService(
             connection,
             store,
             Signer.from_settings(settings.signing_keys),
-            shard_ids,
+            [] if following else shard_ids,  # a follower's share comes with its first reading
             options,
-            follow=None if shards else follow,  # --shards pins; otherwise the map is followed
+            follow=follow if following else None,
         )
 
         async def cleanup() -> None:
+            if following:
+                with contextlib.suppress(Exception):  # else its lease ends in a few seconds anyway
+                    await membership.leave(client, settings.key_prefix, list(classes), me)
             await connection.close()
             await client.aclose()
 
         return service, cleanup
 
-    click.echo(f"orchestrator serving {', '.join(shard_ids)}", err=True)
+    pinned_to = f"shards {', '.join(shard_ids)}" if shards else f"its share of {', '.join(classes)}"
+    click.echo(f"orchestrator serving {pinned_to}", err=True)
     _serve(make)
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+SERVED = (ShardState.ACTIVE, ShardState.DRAINING)
 
 
 class _MissingTopology(CliError):

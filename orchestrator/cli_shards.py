@@ -29,13 +29,14 @@ def shards() -> None:
 @click.option("--json", "as_json", is_flag=True, help='Print JSON: {"version", "shards": [...]}.')
 def shards_list(as_json: bool) -> None:
     """Every shard with its state, its queue's ready messages and consumers, its unfinished runs, unsent
-    outbox entries, timers and dead letters."""
+    outbox entries, timers, dead letters, and the orchestrator process whose share it is ('-': none
+    follows the map; a process pinned with --shards shows only as a consumer)."""
     shard_map, loads = _run(shard_ops.shard_loads(_settings()))
     if as_json:
         _emit({"version": shard_map.version, "shards": [load.document() for load in loads]})
         return
     click.echo(f"shard map version {shard_map.version}")
-    header = ("SHARD", "STATE", "QUEUED", "CONSUMERS", "UNFINISHED", "OUTBOX", "TIMERS", "DEAD")
+    header = ("SHARD", "STATE", "QUEUED", "CONSUMERS", "UNFINISHED", "OUTBOX", "TIMERS", "DEAD", "SERVED BY")
     click.echo("  ".join(f"{h:<10}" for h in header).rstrip())
     for load in loads:
         row = (
@@ -47,6 +48,7 @@ def shards_list(as_json: bool) -> None:
             str(load.outbox),
             str(load.timers),
             _count(load.dead_letters),
+            load.serving or "-",
         )
         click.echo("  ".join(f"{c:<10}" for c in row).rstrip())
 

@@ -22,8 +22,8 @@ from orchestrator.bus.topology import HASH_WEIGHT, apply_topology, build_topolog
 from orchestrator.engine.model import TERMINAL_RUN_STATUSES
 from orchestrator.errors import SagaError
 from orchestrator.settings import Settings, redis_client
-from orchestrator.shardmap import ShardEntry, ShardMap, ShardState
-from orchestrator.store import shardmap_store
+from orchestrator.shardmap import ShardEntry, ShardMap, ShardState, assign
+from orchestrator.store import membership, shardmap_store
 from orchestrator.store.keys import ShardKeys
 
 #: How long ``retire`` waits for orchestrators to leave a retired shard (they read the map every 5 s).
@@ -55,6 +55,7 @@ class ShardLoad:
     outbox: int
     timers: int
     dead_letters: int | None
+    serving: str | None  # the member process whose share it is (None: pinned with --shards, or none)
 
     def document(self) -> dict[str, Any]:
         return asdict(self)
@@ -89,9 +90,13 @@ async def shard_loads(settings: Settings) -> tuple[ShardMap, list[ShardLoad]]:
     client = redis_client(settings)
     try:
         shard_map = await shardmap_store.current_map(settings, seed=False)
+        owners = await _owners(client, settings.key_prefix, shard_map)
         connection = await aio_pika.connect(settings.amqp_url, timeout=10)
         try:
-            loads = [await _load(connection, client, settings.key_prefix, names, e) for e in shard_map.shards]
+            loads = [
+                await _load(connection, client, settings.key_prefix, names, e, owners.get(e.id))
+                for e in shard_map.shards
+            ]
         finally:
             await connection.close()
         return shard_map, loads
@@ -105,6 +110,7 @@ async def _load(
     prefix: str,
     names: Names,
     entry: ShardEntry,
+    owner: str | None,
 ) -> ShardLoad:
     unfinished, outbox, timers = await _work_held(client, prefix, entry.id)
     queue = names.shard_queue(entry.id)
@@ -125,7 +131,22 @@ async def _load(
         outbox,
         timers,
         dead[0] if dead else None,
+        owner,
     )
+
+
+async def _owners(client: aioredis.Redis, prefix: str, shard_map: ShardMap) -> dict[str, str]:
+    """Served shard -> the member process whose share it is, as the members divide them now."""
+    now = int(time.time() * 1000)
+    owners: dict[str, str] = {}
+    offset = 0
+    for shard_class in shard_map.classes:
+        served = shard_map.in_state(ShardState.ACTIVE, ShardState.DRAINING, shard_class=shard_class)
+        live = await membership.members(client, prefix, shard_class, now)
+        for member in live:
+            owners.update(dict.fromkeys(assign(served, live, member, offset), member))
+        offset += len(served)
+    return owners
 
 
 async def _change(settings: Settings, change: Any) -> tuple[ShardMap, ShardMap]:

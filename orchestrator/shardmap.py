@@ -178,3 +178,22 @@ def _numbers(spec: str) -> set[int] | None:
             raise ValueError(f"shard range {part!r} is reversed; write it low-high")
         numbers.update(range(int(low), int(high or low) + 1))
     return numbers or None
+
+
+def assign(shards: Iterable[str], members: Iterable[str], me: str, offset: int = 0) -> list[str]:
+    """The shards ``me`` serves when the live ``members`` divide ``shards`` (one class's) among them: in
+    sorted order, shard i to member (i + offset) mod n. Every member computes the same split from the same
+    reading, each shard has one member, and the counts are within one of each other. ``offset`` (the
+    shards of the classes before this one) carries the round on from class to class, so that members of
+    every class also get totals within one of each other."""
+    ordered = sorted(set(members))
+    if me not in ordered:
+        return []
+    mine = ordered.index(me)
+    return [
+        shard for i, shard in enumerate(sorted(shards, key=_number)) if (i + offset) % len(ordered) == mine
+    ]
+
+
+def _number(shard: str) -> int:
+    return int(shard.rsplit(".", 1)[1])

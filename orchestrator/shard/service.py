@@ -79,7 +79,8 @@ class ShardOptions:
     # with the reason, before the broker drops it into the dead-letter queue on its own).
     poison_after: int = 19
     reconcile_interval_s: float = 60.0  # look for stranded runs of the served shards this often
-    map_poll_s: float = 5.0  # how often a process that follows the shard map reads it again
+    # how often a process that follows the shard map reads it (and renews its membership) again
+    map_poll_s: float = 2.0
     stranded_after_ms: int = 600_000  # a running run quiet this long, with nothing on its way, is stranded
     crash_points: frozenset[str] = frozenset()  # tests only: see crash()
 
@@ -126,10 +127,9 @@ class ShardService:
         serving = {shard: asyncio.create_task(self._serve(shard)) for shard in self.shards}
         follow = self.follow
         while follow is not None and not self._stopping.is_set():
+            await self._follow(serving, follow)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stopping.wait(), self.options.map_poll_s)
-            if not self._stopping.is_set():
-                await self._follow(serving, follow)
         await asyncio.gather(*serving.values(), return_exceptions=True)
 
     async def _follow(
@@ -146,10 +146,10 @@ class ShardService:
                 del serving[shard]
                 self._leaving.discard(shard)
         for shard in sorted(wanted - serving.keys()):
-            log.info("shard %s: in the shard map now; serving it", shard)
+            log.info("shard %s: added to the map, or this process's share now; serving it", shard)
             serving[shard] = asyncio.create_task(self._serve(shard))
         for shard in sorted(serving.keys() - wanted - self._leaving):
-            log.info("shard %s: no longer in the map's served shards (retired); leaving it", shard)
+            log.info("shard %s: retired, or another member's share now; leaving it", shard)
             self._leaving.add(shard)
 
     def _left(self, shard: str) -> bool:

@@ -115,9 +115,16 @@ def test_a_paused_active_orchestrator_loses_to_its_standby_and_its_late_writes_c
     try:
         stack.setup()
         # Given two orchestrators on the same shards, the first one started active on every shard queue
-        stack.start_orchestrator("first", extra_env={"SAGA_AMQP_URL": named_amqp_url(stack, "first")})
+        # both pinned to every shard: one active and one standby per shard (unpinned processes would
+        # divide the shards between them instead)
+        every = f"0-{stack.settings.shard_count - 1}"
+        stack.start_orchestrator(
+            "first", "--shards", every, extra_env={"SAGA_AMQP_URL": named_amqp_url(stack, "first")}
+        )
         wait_until_consuming(stack, is_shard_queue)
-        stack.start_orchestrator("second", extra_env={"SAGA_AMQP_URL": named_amqp_url(stack, "second")})
+        stack.start_orchestrator(
+            "second", "--shards", every, extra_env={"SAGA_AMQP_URL": named_amqp_url(stack, "second")}
+        )
         wait_until_consuming(stack, is_shard_queue, at_least=2)
         active = active_consumers(stack)
         assert set(active.values()) == {"first"}, f"the first orchestrator is not active everywhere: {active}"

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from orchestrator.bus.names import Names
 from orchestrator.bus.topology import build_topology
-from orchestrator.shardmap import ShardMap, ShardMapRefused, ShardState, pinned
+from orchestrator.shardmap import ShardMap, ShardMapRefused, ShardState, assign, pinned
 
 NAMES = Names()
 
@@ -110,3 +110,22 @@ def test_any_sequence_of_changes_keeps_the_rules(steps: list[tuple[str, int]]) -
         for entry in before.shards:  # states only move forward
             order = [ShardState.ACTIVE, ShardState.DRAINING, ShardState.RETIRED]
             assert order.index(shard_map.entry(entry.id).state) >= order.index(entry.state)
+
+
+@given(st.integers(1, 40), st.integers(0, 40), st.integers(1, 6))
+def test_members_divide_the_shards_evenly_each_once(fast: int, slow: int, n: int) -> None:
+    members = [f"p{i}" for i in range(n)]
+    classes = {"fast": [f"fast.{i}" for i in range(fast)], "slow": [f"slow.{i}" for i in range(slow)]}
+    totals = dict.fromkeys(members, 0)
+    offset = 0
+    for shards in classes.values():
+        shares = {m: assign(shards, members, m, offset) for m in members}
+        offset += len(shards)
+        served = sorted(s for share in shares.values() for s in share)
+        assert served == sorted(shards)  # every shard once
+        counts = [len(share) for share in shares.values()]
+        assert max(counts) - min(counts) <= 1  # even within the class
+        for m, share in shares.items():
+            totals[m] += len(share)
+    assert max(totals.values()) - min(totals.values()) <= 1  # and over the classes
+    assert assign(classes["fast"], members, "stranger") == []
