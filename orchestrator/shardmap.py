@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Any
 
-from orchestrator.bus.names import shard_id
+from orchestrator.bus.names import shard_id, shard_numbers
 from orchestrator.errors import SagaError
 
 
@@ -153,7 +153,7 @@ def pinned(shard_map: ShardMap, spec: str, classes: Iterable[str]) -> list[str]:
     """The served shards an ``orchestrator --class C --shards 0-3`` pin names (every served one of the
     classes for an empty ``spec``); a number the map does not serve is refused."""
     wanted = list(classes)
-    numbers = _numbers(spec)
+    numbers = shard_numbers(spec)
     found = []
     for entry in shard_map.shards:
         if entry.shard_class not in wanted or entry.state is ShardState.RETIRED:
@@ -166,18 +166,6 @@ def pinned(shard_map: ShardMap, spec: str, classes: Iterable[str]) -> list[str]:
             spec, f"shard numbers {missing} are not served shards of {', '.join(wanted)} ('saga shards list')"
         )
     return found
-
-
-def _numbers(spec: str) -> set[int] | None:
-    numbers: set[int] = set()
-    for part in (p.strip() for p in spec.split(",") if p.strip()):
-        low, _, high = part.partition("-")
-        if not low.isdigit() or (high and not high.isdigit()):
-            raise ValueError(f"shard range {part!r} is not N or N-M")
-        if high and int(high) < int(low):
-            raise ValueError(f"shard range {part!r} is reversed; write it low-high")
-        numbers.update(range(int(low), int(high or low) + 1))
-    return numbers or None
 
 
 def assign(shards: Iterable[str], members: Iterable[str], me: str, offset: int = 0) -> list[str]:

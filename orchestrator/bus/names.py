@@ -105,19 +105,24 @@ class Names:
         return self.owns(queue) and (queue == self.rejected_queue or queue.endswith(DLQ_SUFFIX))
 
 
-def parse_shards(spec: str, classes: tuple[str, ...], count: int) -> list[str]:
-    """Shard ids for ``--class``/``--shards`` options: ``"0-3"``, ``"1,3"``, ``""`` (all)."""
-    numbers: list[int] = []
+def shard_numbers(spec: str) -> set[int] | None:
+    """The numbers a ``--shards`` option names: ``"0-3"``, ``"1,3"``; None for ``""`` (all of them)."""
+    numbers: set[int] = set()
     for part in (p.strip() for p in spec.split(",") if p.strip()):
         low, _, high = part.partition("-")
         if not low.isdigit() or (high and not high.isdigit()):
             raise ValueError(f"shard range {part!r} is not N or N-M")
         if high and int(high) < int(low):
             raise ValueError(f"shard range {part!r} is reversed; write it low-high")
-        numbers.extend(range(int(low), int(high or low) + 1))
-    if not numbers:
-        numbers = list(range(count))
-    bad = [n for n in numbers if not 0 <= n < count]
+        numbers.update(range(int(low), int(high or low) + 1))
+    return numbers or None
+
+
+def parse_shards(spec: str, classes: tuple[str, ...], count: int) -> list[str]:
+    """Shard ids for ``--class``/``--shards`` options over ``count`` shards per class (all for ``""``)."""
+    numbers = shard_numbers(spec)
+    chosen = sorted(numbers) if numbers is not None else list(range(count))
+    bad = [n for n in chosen if not 0 <= n < count]
     if bad:
         raise ValueError(f"shard numbers {bad} are outside 0-{count - 1} (SAGA_SHARD_COUNT={count})")
-    return [shard_id(c, n) for c in classes for n in sorted(set(numbers))]
+    return [shard_id(c, n) for c in classes for n in chosen]
