@@ -141,13 +141,16 @@ def orchestrator(shard_class: str | None, shards: str, verbose: bool) -> None:
         me = membership.process_id()
 
         async def follow() -> list[str]:
-            """This process's share of the served shards, as the live members divide them now."""
-            live = await membership.renew(client, settings.key_prefix, list(classes), me, _now_ms())
-            current = await shardmap_store.load(client, settings.key_prefix) or shard_map
+            """This process's share of the served shards, as the live members divide them now. Bounded:
+            a Redis that hangs must not stop the shards from being followed (or the process stopping)."""
+            async with asyncio.timeout(settings.redis_timeout_s):
+                live = await membership.renew(client, settings.key_prefix, list(classes), me)
+                current = await shardmap_store.load(client, settings.key_prefix) or shard_map
             mine, offset = [], 0
-            for c in classes:
+            for c in current.classes:  # the map's classes, whatever this process serves: one offset
                 served = current.in_state(*SERVED, shard_class=c)
-                mine += assign(served, live[c], me, offset)
+                if c in classes:
+                    mine += assign(served, live[c], me, offset)
                 offset += len(served)
             return mine
 
@@ -174,9 +177,6 @@ def orchestrator(shard_class: str | None, shards: str, verbose: bool) -> None:
     click.echo(f"orchestrator serving {pinned_to}", err=True)
     _serve(make)
 
-
-def _now_ms() -> int:
-    return int(time.time() * 1000)
 
 
 SERVED = (ShardState.ACTIVE, ShardState.DRAINING)

@@ -26,7 +26,7 @@ from orchestrator.shardmap import ShardEntry, ShardMap, ShardState, assign
 from orchestrator.store import membership, shardmap_store
 from orchestrator.store.keys import ShardKeys
 
-#: How long ``retire`` waits for orchestrators to leave a retired shard (they read the map every 5 s).
+#: How long ``retire`` waits for orchestrators to leave a retired shard (they read the map every 2 s).
 LEAVE_WAIT_S = 30.0
 
 
@@ -36,9 +36,26 @@ class RetireRefused(SagaError):
     code = "retire_refused"
     id_fields = ("shard",)
 
-    def __init__(self, shard: str, why: str) -> None:
+    def __init__(self, shard: str, why: str, *, changed: bool = False) -> None:
         self.shard = shard
-        super().__init__(f"shard {shard} cannot be retired: {why}; nothing was changed")
+        outcome = (
+            "it is retired in the map; run the command again to finish" if changed else "nothing was changed"
+        )
+        super().__init__(f"shard {shard} cannot be retired: {why}; {outcome}")
+
+
+class NoShardMap(SagaError):
+    """A change asked of a namespace whose shard map was never stored (its topology never applied)."""
+
+    code = "shard_map_missing"
+    id_fields = ("namespace",)
+
+    def __init__(self, namespace: str) -> None:
+        self.namespace = namespace
+        super().__init__(
+            f"namespace {namespace!r} has no shard map yet: run 'saga topology apply' first (it stores the "
+            "map SAGA_SHARD_CLASSES and SAGA_SHARD_COUNT describe); nothing was changed"
+        )
 
 
 @dataclass(frozen=True)
@@ -137,12 +154,11 @@ async def _load(
 
 async def _owners(client: aioredis.Redis, prefix: str, shard_map: ShardMap) -> dict[str, str]:
     """Served shard -> the member process whose share it is, as the members divide them now."""
-    now = int(time.time() * 1000)
     owners: dict[str, str] = {}
     offset = 0
     for shard_class in shard_map.classes:
         served = shard_map.in_state(ShardState.ACTIVE, ShardState.DRAINING, shard_class=shard_class)
-        live = await membership.members(client, prefix, shard_class, now)
+        live = await membership.members(client, prefix, shard_class)
         for member in live:
             owners.update(dict.fromkeys(assign(served, live, member, offset), member))
         offset += len(served)
@@ -153,9 +169,9 @@ async def _change(settings: Settings, change: Any) -> tuple[ShardMap, ShardMap]:
     """Apply ``change`` (old map -> new map) to the stored map, over its version; (old, new)."""
     client = redis_client(settings)
     try:
-        old = await shardmap_store.load_or_seed(
-            client, settings.key_prefix, settings.shard_classes, settings.shard_count
-        )
+        old = await shardmap_store.load(client, settings.key_prefix)
+        if old is None:  # seeding here, from this shell's settings, could disown shards the processes serve
+            raise NoShardMap(settings.namespace)
         new = change(old)
         await shardmap_store.save(client, settings.key_prefix, new)
         return old, new
@@ -221,8 +237,15 @@ async def retire(settings: Settings, shard: str, leave_wait_s: float = LEAVE_WAI
             held.append(f"{counts[0]} message(s) on {queue}")
         if dead and dead[0]:
             held.append(f"{dead[0]} dead letter(s) on {dead_letter_queue(queue)} (replay or purge them)")
-        if held and entry.state is ShardState.DRAINING:
-            raise RetireRefused(shard, "it still holds " + ", ".join(held))
+        if held:  # checked again on a second run too: nothing is deleted while it holds anything
+            raise RetireRefused(
+                shard, "it still holds " + ", ".join(held), changed=entry.state is ShardState.RETIRED
+            )
+        # no new starts whatever a drain left behind (a drain whose unbind failed after it saved the map)
+        channel = await connection.channel()
+        unbound = await channel.get_queue(queue, ensure=False) if counts is not None else None
+        if unbound is not None:
+            await unbound.unbind(names.start_exchange(entry.shard_class), HASH_WEIGHT)
         if entry.state is ShardState.DRAINING:
             await _change(settings, lambda m: m.with_state(shard, ShardState.RETIRED))
         await _delete_when_left(connection, names, shard, leave_wait_s)
@@ -247,9 +270,10 @@ async def _delete_when_left(
         return  # deleted already (a retire run again)
     if counts[1]:
         raise RetireRefused(
-            queue,
-            f"it is retired in the map, but {counts[1]} consumer(s) still hold {queue} after {wait_s:g} s: "
-            "are the orchestrators following the map? Run 'saga shards retire' again to delete its queues",
+            shard,
+            f"{counts[1]} consumer(s) still hold {queue} after {wait_s:g} s (are the orchestrators "
+            "following the map?)",
+            changed=True,
         )
     channel = await connection.channel()
     bound = await channel.get_queue(queue, ensure=False)
@@ -257,9 +281,10 @@ async def _delete_when_left(
     counts = await _queue_counts(channel, queue)
     if counts is not None and counts[0]:
         raise RetireRefused(
-            queue,
-            f"{counts[0]} message(s) reached {queue} meanwhile: it stays (unbound, retired); handle them "
-            "('saga dead-letters' or an orchestrator with --shards), then run 'saga shards retire' again",
+            shard,
+            f"{counts[0]} message(s) reached {queue} meanwhile: it stays (unbound); handle them (an "
+            f"orchestrator with --shards {shard.rsplit('.', 1)[1]} --class {shard.rsplit('.', 1)[0]})",
+            changed=True,
         )
     for name in (queue, dead_letter_queue(queue)):
         channel = await connection.channel()

@@ -145,6 +145,7 @@ class ShardService:
             if task.done():
                 del serving[shard]
                 self._leaving.discard(shard)
+        self._leaving -= wanted  # wanted again before it was left: it stays
         for shard in sorted(wanted - serving.keys()):
             log.info("shard %s: added to the map, or this process's share now; serving it", shard)
             serving[shard] = asyncio.create_task(self._serve(shard))

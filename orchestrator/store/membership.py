@@ -28,10 +28,17 @@ def process_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
 
 
+async def redis_now_ms(client: aioredis.Redis) -> int:
+    """Redis's clock: every member measures leases on the same one, whatever its host's clock says."""
+    seconds, micros = await client.time()
+    return int(seconds) * 1000 + int(micros) // 1000
+
+
 async def renew(
-    client: aioredis.Redis, prefix: str, classes: list[str], me: str, now_ms: int, lease_ms: int = LEASE_MS
+    client: aioredis.Redis, prefix: str, classes: list[str], me: str, lease_ms: int = LEASE_MS
 ) -> dict[str, list[str]]:
     """Renew ``me``'s lease in each class and return each class's live members."""
+    now_ms = await redis_now_ms(client)
     async with client.pipeline(transaction=False) as pipe:
         for shard_class in classes:
             key = members_key(prefix, shard_class)
@@ -42,9 +49,9 @@ async def renew(
     return {c: [_text(m) for m in replies[3 * i + 2]] for i, c in enumerate(classes)}
 
 
-async def members(client: aioredis.Redis, prefix: str, shard_class: str, now_ms: int) -> list[str]:
+async def members(client: aioredis.Redis, prefix: str, shard_class: str) -> list[str]:
     """The live members of one class (no renewal: for who asks who serves what)."""
-    found = await client.zrangebyscore(members_key(prefix, shard_class), now_ms, "+inf")
+    found = await client.zrangebyscore(members_key(prefix, shard_class), await redis_now_ms(client), "+inf")
     return [_text(m) for m in found]
 
 

@@ -113,3 +113,16 @@ def test_a_change_on_a_stale_reading_and_bad_requests_are_refused(stack: Stack) 
     assert last.returncode == 1 and "last active shard of class slow" in last.stderr
     zero = stack.saga("shards", "add", "--class", "fast", "--count", "0")
     assert zero.returncode == 2
+
+
+def test_a_namespace_without_a_map_is_not_seeded_by_a_change() -> None:
+    # Given a namespace whose topology was never applied (its processes may run other settings)
+    bare = Stack("no-map")
+    try:
+        # When a shard command would change its map
+        done = bare.saga("shards", "drain", "fast.1", "--json")
+        # Then it is refused, and no map was stored from this shell's settings
+        assert done.returncode == 1 and json.loads(done.stdout)["error"]["code"] == "shard_map_missing"
+        assert bare.redis.get(f"{bare.prefix}:{{shardmap}}:map") is None
+    finally:
+        bare.redis.close()
