@@ -178,7 +178,6 @@ def orchestrator(shard_class: str | None, shards: str, verbose: bool) -> None:
     _serve(make)
 
 
-
 SERVED = (ShardState.ACTIVE, ShardState.DRAINING)
 
 
