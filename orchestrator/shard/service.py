@@ -188,7 +188,10 @@ class ShardService:
                 log.exception("shard %s: unexpected failure; restarting this shard's consumer", shard)
                 await asyncio.sleep(1.0)
             finally:
-                if channel is not None and not channel.is_closed:
+                # Closed explicitly even when the connection already closed it: a robust channel that was
+                # not closed by us is restored on reconnect, consumer and all, beside the new one this
+                # loop opens, and the shard would be consumed twice by one process.
+                if channel is not None:
                     with contextlib.suppress(Exception):
                         await channel.close()  # unacked deliveries return to the queue
 
