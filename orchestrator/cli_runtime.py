@@ -32,7 +32,7 @@ from orchestrator.reconcile import Reconciler, Report
 from orchestrator.settings import Settings, redis_client
 from orchestrator.shard.processor import Processor
 from orchestrator.shard.service import ShardOptions, ShardService
-from orchestrator.shardmap import ShardMap, ShardState, assign, pinned
+from orchestrator.shardmap import ShardMap, owners, pinned
 from orchestrator.store import membership, shardmap_store
 from orchestrator.store.redis_store import RedisStore
 from orchestrator.store.shardmap_store import current_map
@@ -146,13 +146,7 @@ def orchestrator(shard_class: str | None, shards: str, verbose: bool) -> None:
             async with asyncio.timeout(settings.redis_timeout_s):
                 live = await membership.renew(client, settings.key_prefix, list(classes), me)
                 current = await shardmap_store.load(client, settings.key_prefix) or shard_map
-            mine, offset = [], 0
-            for c in current.classes:  # the map's classes, whatever this process serves: one offset
-                served = current.in_state(*SERVED, shard_class=c)
-                if c in classes:
-                    mine += assign(served, live[c], me, offset)
-                offset += len(served)
-            return mine
+            return [shard for shard, owner in owners(current, live).items() if owner == me]
 
         following = not shards  # --shards pins; otherwise the map and the other members are followed
         service = ShardService(
@@ -176,9 +170,6 @@ def orchestrator(shard_class: str | None, shards: str, verbose: bool) -> None:
     pinned_to = f"shards {', '.join(shard_ids)}" if shards else f"its share of {', '.join(classes)}"
     click.echo(f"orchestrator serving {pinned_to}", err=True)
     _serve(make)
-
-
-SERVED = (ShardState.ACTIVE, ShardState.DRAINING)
 
 
 class _MissingTopology(CliError):

@@ -47,11 +47,10 @@ import aiormq
 from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractQueue
 from pamqp import commands as spec
 
-from orchestrator.bus.names import Names
+from orchestrator.bus.names import DLQ_SUFFIX, Names
 from orchestrator.bus.topology import Topology
 from orchestrator.errors import SagaError
 
-DLQ_SUFFIX = ".dlq"
 #: Headers ``Publisher.reject`` sets on a message it parks on saga.rejected.
 REASON_HEADER = "x-saga-reason"
 DETAIL_HEADER = "x-saga-detail"

@@ -22,7 +22,7 @@ from orchestrator.bus.topology import HASH_WEIGHT, apply_topology, build_topolog
 from orchestrator.engine.model import TERMINAL_RUN_STATUSES
 from orchestrator.errors import SagaError
 from orchestrator.settings import Settings, redis_client
-from orchestrator.shardmap import ShardEntry, ShardMap, ShardState, assign
+from orchestrator.shardmap import ShardEntry, ShardMap, ShardState, owners
 from orchestrator.store import membership, shardmap_store
 from orchestrator.store.keys import ShardKeys
 
@@ -154,15 +154,8 @@ async def _load(
 
 async def _owners(client: aioredis.Redis, prefix: str, shard_map: ShardMap) -> dict[str, str]:
     """Served shard -> the member process whose share it is, as the members divide them now."""
-    owners: dict[str, str] = {}
-    offset = 0
-    for shard_class in shard_map.classes:
-        served = shard_map.in_state(ShardState.ACTIVE, ShardState.DRAINING, shard_class=shard_class)
-        live = await membership.members(client, prefix, shard_class)
-        for member in live:
-            owners.update(dict.fromkeys(assign(served, live, member, offset), member))
-        offset += len(served)
-    return owners
+    live = {c: await membership.members(client, prefix, c) for c in shard_map.classes}
+    return owners(shard_map, live)
 
 
 async def _change(settings: Settings, change: Any) -> tuple[ShardMap, ShardMap]:

@@ -12,7 +12,7 @@ version; the store writes it only over the version it was made from.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Any
@@ -185,3 +185,18 @@ def assign(shards: Iterable[str], members: Iterable[str], me: str, offset: int =
 
 def _number(shard: str) -> int:
     return int(shard.rsplit(".", 1)[1])
+
+
+def owners(shard_map: ShardMap, members: Mapping[str, Iterable[str]]) -> dict[str, str]:
+    """Served shard -> the member whose share it is, for the classes ``members`` (class -> live members)
+    names. The one place the split is made: a member serving its share and ``saga shards list`` saying who
+    serves what read it alike. The offset runs over every class of the map, whoever asks."""
+    found: dict[str, str] = {}
+    offset = 0
+    for shard_class in shard_map.classes:
+        served = shard_map.in_state(ShardState.ACTIVE, ShardState.DRAINING, shard_class=shard_class)
+        live = list(members.get(shard_class, ()))
+        for member in live:
+            found.update(dict.fromkeys(assign(served, live, member, offset), member))
+        offset += len(served)
+    return found
