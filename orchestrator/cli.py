@@ -16,7 +16,6 @@ import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
-from urllib.parse import urlsplit, urlunsplit
 
 import aio_pika
 import aiormq
@@ -25,6 +24,7 @@ import pamqp.exceptions
 import pydantic
 
 from orchestrator import deadletters
+from orchestrator.bus.connect import connect_once, redacted
 from orchestrator.bus.topology import Topology, apply_topology, to_definitions, topology_for
 from orchestrator.cli_errors import SERVICE_ERRORS, CliError, CodedUsageError, SagaGroup
 from orchestrator.cli_options import registry_options
@@ -208,18 +208,6 @@ class _BrokerError(CliError):
         super().__init__(code, message, exit_code=2)
 
 
-def _redacted(url: str) -> str:
-    """The AMQP URL without its password, for messages."""
-    try:
-        parts = urlsplit(url)
-        if parts.password is None:
-            return url
-    except ValueError:
-        return "<unparseable URL>"
-    host = parts.netloc.rpartition("@")[2]
-    return urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{host}"))
-
-
 def _topology_of(env: Env, shard_map: ShardMap | None = None) -> Topology:
     try:
         return topology_for(env.settings, env.registry, shard_map)
@@ -244,7 +232,7 @@ def _broker_reason(exc: BaseException, url: str) -> str:
         if text:
             reason = f"{getattr(arg, 'reply_code', '')} {text}".strip()
             break
-    return reason.replace(url, _redacted(url))
+    return reason.replace(url, redacted(url))
 
 
 async def _apply_topology(url: str, build: Callable[[], Awaitable[Topology]]) -> Topology:
@@ -254,10 +242,10 @@ async def _apply_topology(url: str, build: Callable[[], Awaitable[Topology]]) ->
     # aiormq logs a failed connect before raising it; the error below says the same, once.
     logging.getLogger("aiormq").addHandler(logging.NullHandler())
     try:
-        connection = await aio_pika.connect(url, timeout=10)
+        connection = await connect_once(url)
     except (*broker_errors, OSError, TimeoutError, ValueError) as exc:
         raise _BrokerError(
-            f"cannot connect to RabbitMQ at {_redacted(url)}: {_broker_reason(exc, url)}"
+            f"cannot connect to RabbitMQ at {redacted(url)}: {_broker_reason(exc, url)}"
         ) from exc
     try:
         topology = await build()
@@ -266,7 +254,7 @@ async def _apply_topology(url: str, build: Callable[[], Awaitable[Topology]]) ->
         return topology
     except broker_errors as exc:
         raise _BrokerError(
-            f"RabbitMQ at {_redacted(url)} refused the topology: {_broker_reason(exc, url)} (an exchange or "
+            f"RabbitMQ at {redacted(url)} refused the topology: {_broker_reason(exc, url)} (an exchange or "
             "queue that exists with other arguments keeps them: change it with a policy, or delete it and "
             "apply again)",
             "broker_refused",
@@ -296,7 +284,7 @@ def topology_apply(modules: tuple[str, ...], registry_file: str | None) -> None:
         return _topology_of(env, shard_map)
 
     built = asyncio.run(_apply_topology(env.settings.amqp_url, build))
-    click.echo(f"applied {built.summary()} to {_redacted(env.settings.amqp_url)}")
+    click.echo(f"applied {built.summary()} to {redacted(env.settings.amqp_url)}")
 
 
 @topology.command(name="export")
@@ -375,16 +363,16 @@ def _on_broker(call: Callable[[aio_pika.abc.AbstractConnection], Awaitable[T]]) 
     async def go() -> T:
         logging.getLogger("aiormq").addHandler(logging.NullHandler())
         try:
-            connection = await aio_pika.connect(url, timeout=10)
+            connection = await connect_once(url)
         except (*broker_errors, ValueError) as exc:
             raise _BrokerError(
-                f"cannot connect to RabbitMQ at {_redacted(url)}: {_broker_reason(exc, url)}"
+                f"cannot connect to RabbitMQ at {redacted(url)}: {_broker_reason(exc, url)}"
             ) from exc
         try:
             return await call(connection)
         except broker_errors as exc:
             raise _BrokerError(
-                f"RabbitMQ at {_redacted(url)} failed: {_broker_reason(exc, url)}", "broker_failed"
+                f"RabbitMQ at {redacted(url)} failed: {_broker_reason(exc, url)}", "broker_failed"
             ) from exc
         finally:
             await connection.close()

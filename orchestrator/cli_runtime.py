@@ -20,6 +20,7 @@ import aio_pika
 import click
 
 from orchestrator.bus import names
+from orchestrator.bus.connect import connect_robust
 from orchestrator.bus.envelope import Signer
 from orchestrator.bus.publisher import Publisher
 from orchestrator.cli_errors import SERVICE_ERRORS, CliError, CodedUsageError, unreachable
@@ -63,12 +64,6 @@ def _require_durability(settings: Settings, role: Role) -> None:
         check_startup(settings, role)
     except DurabilityRefused as exc:
         raise _Refused(str(exc)) from exc
-
-
-def _heartbeat_url(url: str, seconds: int) -> str:
-    if "heartbeat=" in url:
-        return url
-    return f"{url}{'&' if '?' in url else '?'}heartbeat={seconds}"
 
 
 def _serve(make: Any) -> None:
@@ -121,14 +116,13 @@ def orchestrator(shard_class: str | None, shards: str, verbose: bool) -> None:
         raise click.UsageError(str(exc)) from exc
 
     async def make() -> tuple[ShardService, Any]:
-        connection = await aio_pika.connect_robust(
-            _heartbeat_url(settings.amqp_url, settings.amqp_heartbeat_s)
-        )
+        connection = await connect_robust(settings.amqp_url, heartbeat_s=settings.amqp_heartbeat_s)
         client = redis_client(settings, per_reply_timeout=False)  # each Redis step is bounded instead
         store = RedisStore(client, settings.key_prefix, settings.retention_ms)
         options = ShardOptions(
             names=settings.names(),
             delivery_limit=settings.delivery_limit,
+            quorum_group_size=settings.quorum_group_size,
             prefetch=settings.shard_prefetch,
             batch_max=settings.shard_prefetch,
             max_message_bytes=settings.max_message_bytes,
@@ -251,9 +245,7 @@ def worker(apps: tuple[str, ...], queues: tuple[str, ...], concurrency: int, ver
             startup(settings)
 
     async def make() -> tuple[WorkerRuntime, Any]:
-        connection = await aio_pika.connect_robust(
-            _heartbeat_url(settings.amqp_url, settings.amqp_heartbeat_s)
-        )
+        connection = await connect_robust(settings.amqp_url, heartbeat_s=settings.amqp_heartbeat_s)
         serial = any(queue == names.SERIAL_TASKS for queue, _ in serving)
         lane_redis = (
             lane_client(settings.redis_url, settings.serial_lease_ms, settings.redis_timeout_s)
@@ -271,6 +263,7 @@ def worker(apps: tuple[str, ...], queues: tuple[str, ...], concurrency: int, ver
             else SerialLane(lane_redis, lane_key(settings.key_prefix), settings.serial_lease_ms),
             concurrency=concurrency,
             delivery_limit=settings.delivery_limit,
+            quorum_group_size=settings.quorum_group_size,
             max_message_bytes=settings.max_message_bytes,
             crash_points=frozenset(settings.crash_points),
         )
@@ -525,7 +518,7 @@ def reconcile(dry_run: bool, min_age_s: float, stranded_after_s: float, as_json:
     shards = _run(current_map(settings, seed=False)).served
 
     async def go() -> Report:
-        connection = await aio_pika.connect_robust(settings.amqp_url)
+        connection = await connect_robust(settings.amqp_url)
         client = redis_client(settings)
         try:
             channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
@@ -534,7 +527,14 @@ def reconcile(dry_run: bool, min_age_s: float, stranded_after_s: float, as_json:
             reconciler = Reconciler(
                 store,
                 Processor(store, lambda: int(time.time() * 1000), settings.limits()),
-                Publisher(channel, signer, settings.names(), settings.delivery_limit, connection.channel),
+                Publisher(
+                    channel,
+                    signer,
+                    settings.names(),
+                    settings.delivery_limit,
+                    connection.channel,
+                    settings.quorum_group_size,
+                ),
                 min_age_ms=int(min_age_s * 1000),
                 stranded_after_ms=int(stranded_after_s * 1000),
             )

@@ -18,6 +18,7 @@ import pamqp.exceptions
 import redis.asyncio as aioredis
 
 from orchestrator import views
+from orchestrator.bus.connect import connect_once
 from orchestrator.bus.names import SERIAL_TASKS
 from orchestrator.client import RunNotFound, status_document
 from orchestrator.engine.model import TERMINAL_RUN_STATUSES, RunStatus, StageStatus
@@ -54,7 +55,7 @@ class BrokerProbe:
         if self._connection is None and self.error is None:
             logging.getLogger("aiormq").addHandler(logging.NullHandler())
             try:
-                self._connection = await aio_pika.connect(self.url, timeout=5)
+                self._connection = await connect_once(self.url, timeout_s=5)
             except (*_BROKER_ERRORS, ValueError) as exc:
                 self.error = f"cannot reach RabbitMQ: {exc or type(exc).__name__}"
         return self._connection

@@ -10,8 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from pathlib import Path
 
-import aio_pika
-
+from orchestrator.bus.connect import connect_once
 from orchestrator.bus.topology import Topology, apply_topology, topology_for
 from orchestrator.compiler import CompiledPlan, compile_text
 from orchestrator.contracts import Registry
@@ -24,7 +23,7 @@ from orchestrator.store.shardmap_store import current_map
 async def declare_topology(settings: Settings, registry: Registry) -> Topology:
     """Declare the topology of the namespace's shard map (stored first if there is none yet)."""
     topology = topology_for(settings, registry, await current_map(settings, seed=True))
-    connection = await aio_pika.connect(settings.amqp_url)
+    connection = await connect_once(settings.amqp_url)
     try:
         await apply_topology(await connection.channel(), topology)
     finally:

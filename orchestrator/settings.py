@@ -70,6 +70,13 @@ class Settings(BaseSettings):
     shard_count: int = Field(4, ge=1, le=256, description="shard queues per shard class")
     shard_prefetch: int = Field(64, ge=1, le=1000, description="unacked deliveries per shard consumer")
     delivery_limit: int = Field(20, ge=2, description="x-delivery-limit of shard queues")
+    quorum_group_size: int | None = Field(
+        None,
+        ge=1,
+        description="replicas of every quorum queue (x-quorum-initial-group-size); unset: the broker's "
+        "default, 3 on RabbitMQ 3.10 or every node of a smaller cluster. Set it before a namespace's "
+        "queues are first declared: RabbitMQ refuses to redeclare a queue with another value",
+    )
     amqp_heartbeat_s: int = Field(5, ge=1, description="short, so a standby takes over in seconds")
     signing_keys: Annotated[tuple[str, ...], NoDecode] = Field(
         (DEVELOPMENT_SIGNING_KEY,),

@@ -17,6 +17,7 @@ import aio_pika
 import aiormq
 import redis.asyncio as aioredis
 
+from orchestrator.bus.connect import connect_once
 from orchestrator.bus.names import Names, dead_letter_queue
 from orchestrator.bus.topology import HASH_WEIGHT, apply_topology, build_topology
 from orchestrator.engine.model import TERMINAL_RUN_STATUSES
@@ -108,7 +109,7 @@ async def shard_loads(settings: Settings) -> tuple[ShardMap, list[ShardLoad]]:
     try:
         shard_map = await shardmap_store.current_map(settings, seed=False)
         owners = await _owners(client, settings.key_prefix, shard_map)
-        connection = await aio_pika.connect(settings.amqp_url, timeout=10)
+        connection = await connect_once(settings.amqp_url)
         try:
             loads = [
                 await _load(connection, client, settings.key_prefix, names, e, owners.get(e.id))
@@ -176,10 +177,14 @@ async def add(settings: Settings, shard_class: str, count: int) -> list[str]:
     """Add ``count`` active shards to ``shard_class``; declare and bind their queues. Returns their ids."""
     old, new = await _change(settings, lambda m: m.with_added(shard_class, count))
     added = [e for e in new.shards if e.id not in old.known]
-    connection = await aio_pika.connect(settings.amqp_url, timeout=10)
+    connection = await connect_once(settings.amqp_url)
     try:
         topology = build_topology(
-            settings.names(), ShardMap(new.version, tuple(added)), [], settings.delivery_limit
+            settings.names(),
+            ShardMap(new.version, tuple(added)),
+            [],
+            settings.delivery_limit,
+            settings.quorum_group_size,
         )
         await apply_topology(await connection.channel(), topology)
     finally:
@@ -191,7 +196,7 @@ async def drain(settings: Settings, shard: str) -> None:
     """No new starts for ``shard`` (its start binding removed); its runs are still served."""
     _, new = await _change(settings, lambda m: m.with_state(shard, ShardState.DRAINING))
     names = settings.names()
-    connection = await aio_pika.connect(settings.amqp_url, timeout=10)
+    connection = await connect_once(settings.amqp_url)
     try:
         channel = await connection.channel()
         queue = await channel.get_queue(names.shard_queue(shard), ensure=False)
@@ -222,7 +227,7 @@ async def retire(settings: Settings, shard: str, leave_wait_s: float = LEAVE_WAI
         )
         if n
     ]
-    connection = await aio_pika.connect(settings.amqp_url, timeout=10)
+    connection = await connect_once(settings.amqp_url)
     try:
         counts = await _queue_counts(await connection.channel(), queue)
         dead = await _queue_counts(await connection.channel(), dead_letter_queue(queue))

@@ -19,9 +19,9 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import aio_pika
 import redis
 
+from orchestrator.bus.connect import connect_once
 from orchestrator.client import Client
 from orchestrator.contracts import Registry
 from orchestrator.observe import status_view
@@ -50,7 +50,7 @@ def check_services(settings: Settings) -> None:
         problems.append(f"Redis at {settings.redis_url}: {exc}")
 
     async def amqp() -> None:
-        connection = await aio_pika.connect(settings.amqp_url, timeout=3)
+        connection = await connect_once(settings.amqp_url, timeout_s=3)
         await connection.close()
 
     try:

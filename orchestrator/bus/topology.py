@@ -100,8 +100,21 @@ class Topology:
 # ---- the pure function -----------------------------------------------------------------------------------
 
 
+def _quorum(group_size: int | None) -> dict[str, ArgumentValue]:
+    """A quorum queue's arguments; ``group_size`` replicas, or the broker's default (``quorum_cluster_size``,
+    3 on RabbitMQ 3.10, capped at the cluster's node count) when None. RabbitMQ refuses to redeclare a
+    queue with another group size, so the setting must stay what a namespace's queues were declared with."""
+    if group_size is None:
+        return {"x-queue-type": "quorum"}
+    return {"x-queue-type": "quorum", "x-quorum-initial-group-size": group_size}
+
+
 def _dead_lettered(
-    queue: str, dead_letters: str, names: Names, extra: Mapping[str, ArgumentValue] | None = None
+    queue: str,
+    dead_letters: str,
+    names: Names,
+    extra: Mapping[str, ArgumentValue] | None = None,
+    group_size: int | None = None,
 ) -> Queue:
     """A quorum queue whose refused/expired/over-limit messages go to ``dead_letters`` through the dlx.
 
@@ -111,7 +124,7 @@ def _dead_lettered(
         queue,
         _frozen(
             {
-                "x-queue-type": "quorum",
+                **_quorum(group_size),
                 **(extra or {}),
                 "x-dead-letter-exchange": names.dead_letter_exchange,
                 "x-dead-letter-routing-key": dead_letters,
@@ -122,8 +135,8 @@ def _dead_lettered(
     )
 
 
-def _plain(queue: str) -> Queue:
-    return Queue(queue, _frozen({"x-queue-type": "quorum"}))
+def _plain(queue: str, group_size: int | None = None) -> Queue:
+    return Queue(queue, _frozen(_quorum(group_size)))
 
 
 def _check_task_queue(name: str) -> None:
@@ -158,14 +171,16 @@ class TaskQueueLayout:
     dead_letter_binding: Binding
 
     @classmethod
-    def of(cls, names: Names, queue: str, contract: str, delivery_limit: int) -> TaskQueueLayout:
+    def of(
+        cls, names: Names, queue: str, contract: str, delivery_limit: int, group_size: int | None = None
+    ) -> TaskQueueLayout:
         name = names.task_queue(queue, contract)
         dlq = names.task_dead_letters(queue)
         return cls(
             # a poison task (one that kills its worker every time) reaches the DLQ after the delivery limit
-            _dead_lettered(name, dlq, names, {"x-delivery-limit": delivery_limit}),
+            _dead_lettered(name, dlq, names, {"x-delivery-limit": delivery_limit}, group_size),
             Binding(names.tasks_exchange, name, name),
-            _plain(dlq),
+            _plain(dlq, group_size),
             Binding(names.dead_letter_exchange, dlq, dlq),
         )
 
@@ -175,9 +190,11 @@ def build_topology(
     shard_map: ShardMap,
     task_queues: Iterable[tuple[str, str]],
     delivery_limit: int,
+    group_size: int | None = None,
 ) -> Topology:
     """Every exchange and queue the orchestrator uses, and the contract queues of ``task_queues`` (pairs of
-    task queue and contract ``name@version``). Pure and deterministic.
+    task queue and contract ``name@version``), each quorum queue with ``group_size`` replicas (None: the
+    broker's default). Pure and deterministic.
 
     Shards follow the map: an active shard's queue is bound to its class's start exchange and to the runs
     exchange; a draining one only to the runs exchange (no new starts, its runs still reach it); a retired
@@ -204,18 +221,22 @@ def build_topology(
         dlq = dead_letter_queue(name)
         queues.append(
             _dead_lettered(
-                name, dlq, names, {"x-single-active-consumer": True, "x-delivery-limit": delivery_limit}
+                name,
+                dlq,
+                names,
+                {"x-single-active-consumer": True, "x-delivery-limit": delivery_limit},
+                group_size,
             )
         )
         if entry.state is ShardState.ACTIVE:
             bindings.append(Binding(names.start_exchange(entry.shard_class), name, HASH_WEIGHT))
         bindings.append(Binding(names.runs_exchange, name, entry.id))
-        queues.append(_plain(dlq))
+        queues.append(_plain(dlq, group_size))
         bindings.append(Binding(names.dead_letter_exchange, dlq, dlq))
 
     dead_letter_queues: dict[str, tuple[Queue, Binding]] = {}
     for queue, contract in pairs:
-        layout = TaskQueueLayout.of(names, queue, contract, delivery_limit)
+        layout = TaskQueueLayout.of(names, queue, contract, delivery_limit, group_size)
         queues.append(layout.queue)
         bindings.append(layout.binding)
         dead_letter_queues[layout.dead_letters.name] = (layout.dead_letters, layout.dead_letter_binding)
@@ -223,7 +244,7 @@ def build_topology(
         queues.append(dead_letters)
         bindings.append(binding)
 
-    queues.append(_plain(names.rejected_queue))
+    queues.append(_plain(names.rejected_queue, group_size))
     return Topology(tuple(exchanges), tuple(queues), tuple(bindings))
 
 
@@ -243,7 +264,11 @@ def topology_for(settings: Settings, registry: Registry, shard_map: ShardMap | N
     """The topology of ``shard_map`` (None: the first map the settings seed)."""
     chosen = shard_map or ShardMap.seed(settings.shard_classes, settings.shard_count)
     return build_topology(
-        settings.names(), chosen, serving_queues(registry.contracts()), settings.delivery_limit
+        settings.names(),
+        chosen,
+        serving_queues(registry.contracts()),
+        settings.delivery_limit,
+        settings.quorum_group_size,
     )
 
 

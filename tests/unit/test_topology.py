@@ -14,6 +14,7 @@ from orchestrator.bus.names import Names
 from orchestrator.bus.topology import (
     Binding,
     Queue,
+    TaskQueueLayout,
     Topology,
     build_topology,
     serving_queues,
@@ -243,6 +244,17 @@ def test_topology_for_reads_settings_and_registry(registry: Registry) -> None:
     topo = topology_for(settings, registry)
     assert topo == build_topology(NAMES, ShardMap.seed(("fast",), 2), serving_queues(registry.contracts()), 5)
     assert topo.queue("saga.shard.fast.1").arguments["x-delivery-limit"] == 5
+
+
+def test_the_quorum_group_size_is_the_broker_s_default_unless_set(registry: Registry, topo: Topology) -> None:
+    assert all("x-quorum-initial-group-size" not in q.arguments for q in topo.queues)
+    sized = topology_for(Settings(quorum_group_size=3), registry)
+    assert {q.arguments.get("x-quorum-initial-group-size") for q in sized.queues} == {3}
+    assert all(q.arguments["x-queue-type"] == "quorum" for q in sized.queues)
+    # a contract queue declared later (by a worker or the orchestrator) is sized alike
+    layout = TaskQueueLayout.of(NAMES, "tasks.parallel", "x@1", 20, 3)
+    assert layout.queue.arguments["x-quorum-initial-group-size"] == 3
+    assert layout.dead_letters.arguments["x-quorum-initial-group-size"] == 3
 
 
 def test_a_namespace_renames_every_exchange_and_queue(registry: Registry) -> None:
