@@ -21,8 +21,12 @@ from typing import Any
 
 import aio_pika
 import pika
+import pika.exceptions
+from pika.adapters.blocking_connection import BlockingChannel
 
+from orchestrator.bus.connect import blocking_parameters, connect_robust, untracked_channel
 from orchestrator.bus.envelope import Envelope, Kind, Signer, encode
+from orchestrator.bus.publisher import PUBLISH_ATTEMPTS, Publisher
 from orchestrator.engine.door import start_problems
 from orchestrator.engine.model import TERMINAL_RUN_STATUSES, RunSnapshot, RunStatus
 from orchestrator.errors import SagaError
@@ -434,14 +438,24 @@ class Client:
         self.redis = redis_client(settings)
         self._plans = ActivePlans()
         self._connection: aio_pika.abc.AbstractRobustConnection | None = None
-        self._channel: aio_pika.abc.AbstractChannel | None = None
+        self._publisher: Publisher | None = None
 
     async def __aenter__(self) -> Client:
-        self._connection = await aio_pika.connect_robust(self.settings.amqp_url)
-        self._channel = await self._connection.channel(publisher_confirms=True, on_return_raises=True)
+        self._connection = await connect_robust(self.settings.amqp_url)
+        connection = self._connection
+        # the shared publisher: confirms, mandatory, a few retries of broker trouble, and a fresh channel
+        # after a negative confirm (a quorum queue that lost its leader)
+        self._publisher = Publisher(
+            await untracked_channel(connection),
+            self.signer,
+            self.settings.names(),
+            renew_with=lambda: untracked_channel(connection),
+        )
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        if self._publisher is not None:
+            await self._publisher.close()
         if self._connection is not None:
             await self._connection.close()
         await self.redis.aclose()
@@ -514,18 +528,9 @@ class Client:
     async def _publish(self, envelope: Envelope, exchange_name: str, routing_key: str) -> None:
         """Publish with a confirm and ``mandatory``: returns once the broker has it, raises if it cannot
         be routed."""
-        if self._channel is None:
+        if self._publisher is None:
             raise SagaError("the client is not connected; use 'async with Client(settings) as client'")
-        exchange = await self._channel.get_exchange(exchange_name, ensure=False)
-        await exchange.publish(
-            aio_pika.Message(
-                encode(envelope),
-                message_id=envelope.message_id,
-                delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
-            ),
-            routing_key=routing_key,
-            mandatory=True,
-        )
+        await self._publisher.publish_envelope(envelope, exchange_name, routing_key)
 
     async def cancel(self, run_id: str, reason: str = "", requested_by: str = "") -> str:
         """Ask the run's shard to cancel the run: a failed intent with reason ``cancelled``, its active
@@ -639,9 +644,34 @@ class SyncClient:
         self.signer = Signer.from_settings(settings.signing_keys)
         self.redis = sync_client(settings.redis_url, decode_responses=True)
         self._plans = ActivePlans()
-        self._connection = pika.BlockingConnection(pika.URLParameters(settings.amqp_url))
-        self._channel = self._connection.channel()
-        self._channel.confirm_delivery()  # basic_publish now raises on nack or (mandatory) return
+        self._connection = pika.BlockingConnection(blocking_parameters(settings.amqp_url))
+        self._channel = self._confirming_channel()
+
+    def _confirming_channel(self) -> BlockingChannel:
+        channel = self._connection.channel()
+        channel.confirm_delivery()  # basic_publish now raises on nack or (mandatory) return
+        return channel
+
+    def _publish(self, exchange: str, routing_key: str, envelope: Envelope) -> None:
+        """Publish with a confirm and ``mandatory``. A negative confirm gets a fresh channel and another
+        try, as :meth:`Publisher._renew` explains; an unroutable message raises at once."""
+        for attempt in range(1, PUBLISH_ATTEMPTS + 1):
+            try:
+                self._channel.basic_publish(
+                    exchange,
+                    routing_key,
+                    encode(envelope),
+                    pika.BasicProperties(message_id=envelope.message_id, delivery_mode=2),
+                    mandatory=True,
+                )
+                return
+            except pika.exceptions.NackError:
+                if attempt == PUBLISH_ATTEMPTS:
+                    raise
+                stale, self._channel = self._channel, self._confirming_channel()
+                with contextlib.suppress(pika.exceptions.AMQPError):
+                    stale.close()
+                time.sleep(0.2 * attempt)  # a quorum queue electing a leader takes a moment
 
     def close(self) -> None:
         if self._connection.is_open:
@@ -661,13 +691,7 @@ class SyncClient:
         envelope = checked_start(self.signer, self.settings, plan, definition, run_id, context)
         claim = self._claim(envelope, idempotency_key)
         try:
-            self._channel.basic_publish(
-                self.settings.names().start_exchange(plan.shard_class),
-                run_id,
-                encode(envelope),
-                pika.BasicProperties(message_id=envelope.message_id, delivery_mode=2),
-                mandatory=True,
-            )
+            self._publish(self.settings.names().start_exchange(plan.shard_class), run_id, envelope)
         except BaseException:
             if claim is not None:
                 with contextlib.suppress(*REDIS_ERRORS):

@@ -41,6 +41,7 @@ from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractRobus
 from pydantic import BaseModel, ValidationError
 
 from orchestrator import faults
+from orchestrator.bus.connect import untracked_channel
 from orchestrator.bus.envelope import Envelope, EnvelopeRejected, Kind, Signer, decode, signed_message
 from orchestrator.bus.names import SERIAL_TASKS, Names
 from orchestrator.bus.publisher import Publisher
@@ -92,6 +93,7 @@ class WorkerRuntime:
     lane: SerialLane | None = None  # needed when serving tasks.serial
     concurrency: int = 8
     delivery_limit: int = 20
+    quorum_group_size: int | None = None
     max_message_bytes: int = 1_048_576
     crash_points: frozenset[str] = frozenset()  # tests only: orchestrator/faults.py
     clock_ms: Callable[[], int] = field(default=lambda: int(time.time() * 1000))
@@ -125,7 +127,14 @@ class WorkerRuntime:
         await channel.set_qos(prefetch_count=self.concurrency)
         serial_channel = await self.connection.channel()
         await serial_channel.set_qos(prefetch_count=1)  # a waiting serial task is one nobody else can take
-        publisher = Publisher(channel, self.signer, self.names, self.delivery_limit)
+        publisher = Publisher(
+            channel,
+            self.signer,
+            self.names,
+            self.delivery_limit,
+            group_size=self.quorum_group_size,
+            renew_with=lambda: untracked_channel(self.connection),
+        )
         consumers = await self._subscribe(channel, serial_channel, publisher, pool)
         log.info(
             "worker consuming %d contract queue(s) with concurrency %d", len(self.serving), self.concurrency
@@ -136,6 +145,7 @@ class WorkerRuntime:
             await self._drain(consumers, pool)
             await self._close(serial_channel)
             await self._close(channel)
+            await publisher.close()
 
     async def _subscribe(
         self,
@@ -192,7 +202,9 @@ class WorkerRuntime:
         pool: ThreadPoolExecutor,
         serial: bool,
     ) -> tuple[Any, str]:
-        layout = TaskQueueLayout.of(self.names, queue_name, contract, self.delivery_limit)
+        layout = TaskQueueLayout.of(
+            self.names, queue_name, contract, self.delivery_limit, self.quorum_group_size
+        )
         await declare_task_queue(channel, layout)
         # declared, not just named: the robust channel re-subscribes it after a reconnect
         queue = await channel.declare_queue(layout.queue.name, passive=True)

@@ -101,14 +101,23 @@ class Publisher:
         names: Names,
         delivery_limit: int = 20,
         declare_on: Callable[[], Awaitable[AbstractChannel]] | None = None,
+        group_size: int | None = None,
+        renew_with: Callable[[], Awaitable[AbstractChannel]] | None = None,
     ) -> None:
         """``declare_on`` opens a channel for declaring contract queues: the broker closes a channel whose
-        declaration it refuses, which must not be the one a shard consumes and publishes on."""
+        declaration it refuses, which must not be the one a shard consumes and publishes on.
+        ``renew_with`` opens a confirm-mode channel to publish on after a negative confirm (see
+        :meth:`_renew`), and again when that channel has closed; without it, publishing stays on
+        ``channel``."""
         self.channel = channel
         self.signer = signer
         self.names = names
         self.delivery_limit = delivery_limit
+        self.group_size = group_size  # of the contract queues it declares (the topology's setting)
         self.declare_on = declare_on
+        self.renew_with = renew_with
+        self._owned: AbstractChannel | None = None  # a channel this publisher opened, and closes
+        self._renewing = asyncio.Lock()
         self._exchanges: dict[str, AbstractExchange] = {}
         self._declared: dict[str, asyncio.Future[None]] = {}
 
@@ -173,7 +182,7 @@ class Publisher:
         if declared is None:
             declared = asyncio.get_running_loop().create_future()
             self._declared[name] = declared
-            layout = TaskQueueLayout.of(self.names, queue, contract, self.delivery_limit)
+            layout = TaskQueueLayout.of(self.names, queue, contract, self.delivery_limit, self.group_size)
             try:
                 await self._declare(layout)
             except BaseException as exc:
@@ -250,7 +259,11 @@ class Publisher:
         # Without the wait, messages queued in one loop turn leave in one write (bus/coalesce.py). The
         # publisher confirm is still awaited: a message counts as sent only when the broker confirms it
         # (and, with on_return_raises, an unroutable mandatory message raises).
-        underlay = await self.channel.get_underlay_channel()
+        channel = self.channel
+        if channel.is_closed:  # gone with its connection (a robust one comes back; ours do not)
+            await self._renew(channel)
+            channel = self.channel
+        underlay = await channel.get_underlay_channel()
         confirmation = await underlay.basic_publish(
             body,
             exchange=exchange,
@@ -260,7 +273,35 @@ class Publisher:
             wait=False,  # type: ignore[call-arg]  # the concrete aiormq channel takes it
         )
         if not isinstance(confirmation, spec.Basic.Ack):
+            await self._renew(channel)
             raise aiormq.exceptions.DeliveryError(None, confirmation)  # type: ignore[arg-type]
+
+    async def _renew(self, stale_channel: AbstractChannel) -> None:
+        """Publish on a fresh channel from now on. RabbitMQ (3.10) nacks a channel's first publish to a
+        quorum queue whose leader is being elected (a node lost), and that channel then nacks every later
+        publish to that queue for as long as it lives, while a fresh channel is accepted within a second
+        or so. One renewal per channel, however many of its publishes were nacked at once."""
+        if self.renew_with is None:
+            return
+        async with self._renewing:
+            if self.channel is not stale_channel:
+                return  # already renewed by a publish nacked alongside
+            fresh = await self.renew_with()
+            stale, self._owned = self._owned, fresh
+            self.channel = fresh
+            self._exchanges.clear()
+        log.info("publishing on a fresh channel from now on (a publish was nacked, or the channel closed)")
+        if stale is not None:
+            with contextlib.suppress(Exception):
+                await stale.close()  # its unconfirmed publishes fail, and are retried on the fresh one
+
+    async def close(self) -> None:
+        """Close the channel this publisher opened for itself, if any (the one it was given is the
+        caller's)."""
+        owned, self._owned = self._owned, None
+        if owned is not None:
+            with contextlib.suppress(Exception):
+                await owned.close()
 
     async def reject(
         self, raw: bytes, reason: str, detail: str, source: str, message_id: str | None = None

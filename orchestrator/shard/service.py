@@ -29,6 +29,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from orchestrator import faults
+from orchestrator.bus.connect import untracked_channel
 from orchestrator.bus.envelope import Envelope, EnvelopeRejected, Signer, decode
 from orchestrator.bus.names import Names
 from orchestrator.bus.publisher import Publisher, envelope_for
@@ -61,6 +62,7 @@ def now_ms() -> int:
 class ShardOptions:
     names: Names = field(default_factory=Names)
     delivery_limit: int = 20  # of the task queues this process declares (the topology's setting)
+    quorum_group_size: int | None = None  # likewise
     prefetch: int = 64
     batch_max: int = 64
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
@@ -171,16 +173,17 @@ class ShardService:
             channel: AbstractChannel | None = None
             try:
                 await self._wait_for_redis()
-                channel = await self.connection.channel(publisher_confirms=True, on_return_raises=True)
+                channel = await untracked_channel(self.connection)
                 await channel.set_qos(prefetch_count=self.options.prefetch)
                 await self._consume(shard, channel)
+            except (aio_pika.exceptions.AMQPError, ChannelInvalidStateError) as exc:
+                # before REDIS_DOWN: aiormq's connection errors are OSErrors too
+                log.warning("shard %s: broker connection trouble (%s); reconnecting", shard, exc)
+                await asyncio.sleep(1.0)
             except REDIS_DOWN as exc:
                 log.warning(
                     "shard %s: Redis failed (%s); returning deliveries to the queue and waiting", shard, exc
                 )
-            except (aio_pika.exceptions.AMQPError, ChannelInvalidStateError, ConnectionError) as exc:
-                log.warning("shard %s: broker connection trouble (%s); reconnecting", shard, exc)
-                await asyncio.sleep(1.0)
             except Exception:
                 # Anything else is a bug or a surprise from a dependency (a Lua error, say). One shard must
                 # not take the others down: its deliveries go back to the queue (the delivery limit bounds
@@ -188,9 +191,8 @@ class ShardService:
                 log.exception("shard %s: unexpected failure; restarting this shard's consumer", shard)
                 await asyncio.sleep(1.0)
             finally:
-                # Closed explicitly even when the connection already closed it: a robust channel that was
-                # not closed by us is restored on reconnect, consumer and all, beside the new one this
-                # loop opens, and the shard would be consumed twice by one process.
+                # The channel is not tracked by the robust connection (connect.untracked_channel): after
+                # a reconnect this loop opens a new one, and nothing reopens the old one beside it.
                 if channel is not None:
                     with contextlib.suppress(Exception):
                         await channel.close()  # unacked deliveries return to the queue
@@ -201,11 +203,11 @@ class ShardService:
             self.signer,
             self.options.names,
             self.options.delivery_limit,
-            declare_on=self.connection.channel,
+            declare_on=self._untracked_channel,
+            group_size=self.options.quorum_group_size,
+            renew_with=self._untracked_channel,
         )
-        # Declared (passively), not just named: the robust channel then re-subscribes this consumer when
-        # it reopens after a reconnect (broker restart, missed heartbeats). A queue taken with
-        # get_queue(ensure=False) is not tracked, and the shard would never consume again.
+        # Passive: a shard queue that is not there (retired, or no topology applied) is an error here.
         queue = await channel.declare_queue(self.options.names.shard_queue(shard), passive=True)
         inbox: asyncio.Queue[AbstractIncomingMessage] = asyncio.Queue()
         tag = await queue.consume(inbox.put, no_ack=False)
@@ -215,6 +217,8 @@ class ShardService:
         next_reconcile = time.monotonic() + self.options.reconcile_interval_s
         try:
             while not self._left(shard):
+                if channel.is_closed:  # the connection dropped: nothing more will arrive on it
+                    raise ChannelInvalidStateError(f"shard {shard}: its channel closed")
                 if time.monotonic() >= next_timers:
                     await self._fire_timers(shard, publisher)
                     next_timers = time.monotonic() + self.options.timer_poll_s
@@ -236,6 +240,10 @@ class ShardService:
         finally:
             with contextlib.suppress(Exception):
                 await queue.cancel(tag)
+            await publisher.close()
+
+    async def _untracked_channel(self) -> AbstractChannel:
+        return await untracked_channel(self.connection)
 
     async def _process(self, shard: str, batch: list[AbstractIncomingMessage], publisher: Publisher) -> None:
         deliveries = [_Delivery(m) for m in batch]
