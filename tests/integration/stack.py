@@ -24,6 +24,7 @@ from urllib.parse import quote
 
 import aio_pika
 
+from orchestrator.bus.connect import connect_once
 from orchestrator.bus.envelope import Envelope, Signer, encode
 from orchestrator.contracts import Registry
 from orchestrator.provision import provision
@@ -36,9 +37,11 @@ ROOT = Path(__file__).resolve().parents[2]
 REGISTRY = Registry.from_modules(["workers.demo"])
 
 
-def rabbitmqctl(*args: str) -> str:
+def rabbitmqctl(*args: str, node: str | None = None) -> str:
+    """``rabbitmqctl ARGS`` on the machine's broker, or on ``node`` (a test cluster's node name)."""
+    target = ["-n", node] if node else []
     done = subprocess.run(
-        ["rabbitmqctl", "-q", *args], capture_output=True, text=True, timeout=60, check=False
+        ["rabbitmqctl", "-q", *target, *args], capture_output=True, text=True, timeout=60, check=False
     )
     if done.returncode != 0:
         raise RuntimeError(f"rabbitmqctl {' '.join(args)} failed: {done.stderr.strip()}")
@@ -67,15 +70,19 @@ class Stack:
         family: str = "test",
         shard_count: int = 2,
         env: dict[str, str] | None = None,
+        amqp_hosts: str = "127.0.0.1:5672",
+        rabbitmq_node: str | None = None,
     ) -> None:
         """``family`` names what owns the stack (``test``, ``bench``): vhost ``saga-<family>-<name>-<tag>``,
-        key prefix ``saga<family><tag>``; ``env`` adds SAGA_* variables for every process."""
+        key prefix ``saga<family><tag>``; ``env`` adds SAGA_* variables for every process.
+        ``amqp_hosts`` and ``rabbitmq_node`` point it at another broker (a test cluster: its nodes'
+        host:port, comma-separated, and the node that rabbitmqctl asks)."""
         tag = uuid.uuid4().hex[:8]
         self.vhost = "-".join(part for part in ("saga", family, name, tag) if part)
         self.prefix = f"saga{family}{tag}"
         self.env = {
             **os.environ,
-            "SAGA_AMQP_URL": f"amqp://guest:guest@127.0.0.1:5672/{quote(self.vhost, safe='')}",
+            "SAGA_AMQP_URL": f"amqp://guest:guest@{amqp_hosts}/{quote(self.vhost, safe='')}",
             "SAGA_REDIS_URL": redis_url,
             "SAGA_KEY_PREFIX": self.prefix,
             "SAGA_SHARD_COUNT": str(shard_count),
@@ -91,6 +98,7 @@ class Stack:
         self.redis = sync_client(self.settings.redis_url, decode_responses=True)
         self.world = DemoWorld(self.redis, self.prefix)
         self.signer = Signer.from_settings(self.settings.signing_keys)
+        self.rabbitmq_node = rabbitmq_node
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
         self.logs = Path(f"/tmp/{self.vhost}")
         self.logs.mkdir(parents=True, exist_ok=True)
@@ -98,19 +106,21 @@ class Stack:
     # ---- lifecycle ---------------------------------------------------------------------------------
 
     def setup(self) -> None:
-        rabbitmqctl("add_vhost", self.vhost)
-        rabbitmqctl("set_permissions", "-p", self.vhost, "guest", ".*", ".*", ".*")
+        self.rabbitmqctl("add_vhost", self.vhost)
+        self.rabbitmqctl("set_permissions", "-p", self.vhost, "guest", ".*", ".*", ".*")
         asyncio.run(provision(self.settings, REGISTRY, sorted((ROOT / "definitions").glob("*.yaml"))))
 
-    def teardown(self, keep: bool = False) -> None:
-        """Stop every process, then delete the vhost and the keys (``keep``: leave them to inspect)."""
+    def teardown(self, keep: bool = False, drop_vhost: bool = True) -> None:
+        """Stop every process, then delete the vhost and the keys (``keep``: leave them to inspect;
+        ``drop_vhost=False``: the broker is thrown away whole, as a test cluster is)."""
         for name in list(self.processes):
             self.stop(name)
         if keep:
             self.redis.close()
             return
         try:
-            rabbitmqctl("delete_vhost", self.vhost)
+            if drop_vhost:
+                self.rabbitmqctl("delete_vhost", self.vhost)
         finally:
             keys = list(self.redis.scan_iter(match=f"{self.prefix}:*", count=1000))
             for i in range(0, len(keys), 500):
@@ -204,7 +214,7 @@ class Stack:
 
     def list_queues(self, column: str) -> dict[str, int]:
         """One numeric column of ``rabbitmqctl list_queues`` for this vhost, by queue name."""
-        out = rabbitmqctl("list_queues", "-p", self.vhost, "name", column)
+        out = self.rabbitmqctl("list_queues", "-p", self.vhost, "name", column)
         found = {}
         for line in out.splitlines():
             parts = line.split()
@@ -214,9 +224,13 @@ class Stack:
 
     # ---- publishing as a service (or an attacker) would --------------------------------------------
 
+    def rabbitmqctl(self, *args: str) -> str:
+        """``rabbitmqctl ARGS`` on the broker (or cluster node) this stack uses."""
+        return rabbitmqctl(*args, node=self.rabbitmq_node)
+
     def publish_raw(self, exchange: str, routing_key: str, body: bytes) -> None:
         async def go() -> None:
-            connection = await aio_pika.connect(self.settings.amqp_url)
+            connection = await connect_once(self.settings.amqp_url)
             try:
                 channel = await connection.channel(publisher_confirms=True)
                 target = await channel.get_exchange(exchange, ensure=False)
