@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from orchestrator.bus.envelope import Envelope, Kind
 from orchestrator.client import Client
 from tests.faults import invariants
 from tests.integration.stack import Stack, poll
@@ -91,6 +92,31 @@ def test_shards_added_drained_and_retired_under_runs(stack: Stack) -> None:
     assert again.returncode == 1 and "retired" in again.stdout, again.stdout
     listed_runs = {r["run_id"] for r in stack.saga_json("runs", "--limit", "500")["runs"]}
     assert set(on_retired) <= listed_runs
+
+    # And a straggler, a task sent before the retire whose result comes after it, is not published into
+    # the deleted queue: the worker parks the result on the rejected queue, saying why
+    straggler = Envelope(
+        kind=Kind.TASK,
+        message_id=f"task-straggler-{on_retired[0]}",
+        run_id=on_retired[0],
+        shard="fast.0",
+        stage="render-thumbnail",
+        attempt=9,
+        fence="9.9",
+        contract="thumbnail.render@3",
+        body={"input": {"modelId": "late-1"}},
+    )
+    queue = stack.settings.names().task_queue("tasks.parallel", "thumbnail.render@3")
+    stack.publish_envelope(straggler, stack.settings.names().tasks_exchange, queue)
+    rejected = stack.settings.names().rejected_queue
+
+    def parked() -> list[dict[str, Any]]:
+        queues = stack.saga_json("dead-letters", "list", "--queue", rejected)["queues"]
+        return [m for q in queues for m in q["messages"] if m["run_id"] == on_retired[0]]
+
+    [entry] = poll(parked, 30, what="the straggler's result on the rejected queue")
+    assert entry["kind"] == "result" and entry["reason"] == "unroutable", entry
+    assert stack.saga_json("status", on_retired[0])["state"] == status["state"]  # nothing changed it
 
     # And new runs still complete on the shards left, with every invariant holding for all of them
     last = asyncio.run(start(stack, "model-ingest", [{"modelId": f"last-{i}"} for i in range(10)]))
