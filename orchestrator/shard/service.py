@@ -158,11 +158,18 @@ class ShardService:
     def _left(self, shard: str) -> bool:
         return self._stopping.is_set() or shard in self._leaving
 
-    async def _wait_for_redis(self) -> None:
+    async def _wait_for_redis(self, shard: str | None = None) -> None:
         while not self._stopping.is_set():
             try:
                 async with asyncio.timeout(self.options.redis_timeout_s):
                     await self.store.client.ping()  # type: ignore[misc]
+                    if shard is not None:
+                        # On a Redis Cluster a PING reaches any node, and answers while the shard's own
+                        # slot has no primary (a primary lost, its replica not promoted yet): a read of
+                        # that slot does not. Without it the shard took its deliveries and gave them back
+                        # many times a second, and every return counts against the queue's delivery
+                        # limit (20): a failover of a few seconds dead-lettered messages.
+                        await self.store.client.exists(self.store.keys(shard).outbox())
                 return
             except REDIS_DOWN:
                 log.warning("Redis unreachable; not consuming until it is back")
@@ -172,7 +179,7 @@ class ShardService:
         while not self._left(shard):
             channel: AbstractChannel | None = None
             try:
-                await self._wait_for_redis()
+                await self._wait_for_redis(shard)
                 channel = await untracked_channel(self.connection)
                 await channel.set_qos(prefetch_count=self.options.prefetch)
                 await self._consume(shard, channel)

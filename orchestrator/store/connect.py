@@ -14,6 +14,7 @@ INFO) are done by the helpers here. Every key a multi-key command or a Lua call 
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, cast
 from urllib.parse import unquote
@@ -22,8 +23,9 @@ import redis
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import ClusterNode as AsyncClusterNode
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
+from redis.asyncio.connection import Connection
 from redis.cluster import ClusterNode, RedisCluster
-from redis.exceptions import RedisClusterException
+from redis.exceptions import ClusterError, RedisClusterException, TryAgainError
 
 from orchestrator.errors import SagaError
 
@@ -86,14 +88,55 @@ def parse_cluster_url(url: str) -> ClusterUrl:
     )
 
 
+class _NewestFirst(deque[Connection]):
+    """A node's free connections, handed out newest first (LIFO, as redis-py's ConnectionPool does)."""
+
+    def popleft(self) -> Connection:
+        return self.pop()
+
+
+class _ClusterClient(AsyncRedisCluster):
+    """redis-py's asyncio ``RedisCluster``, mended in two ways for a slot being migrated (found with
+    redis-py 7.4.1 by tests/cluster/test_cluster_cases.py, pinned by test_cluster_client.py; redis-py's
+    8.0 has the same code).
+
+    * **ASK is followed.** redis-py sends ``ASKING`` and then the redirected command to the importing node
+      as two pooled commands, and a node hands out its *oldest* free connection and takes it back at the
+      end. With two or more connections to that node free (any busy client), the command goes out on a
+      connection that never said ASKING: the importing node answers MOVED back to the source, the source
+      ASK again, and after 16 rounds the call fails with ``ClusterError("TTL exhausted.")``. That is every
+      command on a key already moved (or not created yet) for as long as the migration lasts. Handing
+      out the newest free connection first makes the command reuse the ASKING connection: it is given
+      back and taken again with no await in between, so no other task can take it meanwhile.
+    * **A TRYAGAIN that outlasts the redirection budget is a TRYAGAIN.** A multi-key call (every FCALL of
+      a transition) whose keys are split between the two nodes, or not all created yet, gets TRYAGAIN
+      until the migration ends; after 16 tries redis-py raises ``ClusterError("TTL exhausted.")``, which
+      the shard service would count as a failed transition (requeued, then poisoned). Raised as
+      ``TryAgainError`` instead, it is what the service already treats as "the cluster is resharding":
+      deliveries go back and the shard waits, as for Redis down.
+    """
+
+    async def _execute_command(self, target_node: AsyncClusterNode, *args: Any, **kwargs: Any) -> Any:
+        for node in self.nodes_manager.nodes_cache.values():  # nodes come and go: checked on each call
+            if type(node._free) is not _NewestFirst:
+                node._free = _NewestFirst(node._free, maxlen=node._free.maxlen)
+        try:
+            return await super()._execute_command(target_node, *args, **kwargs)
+        except ClusterError as exc:
+            if type(exc) is not ClusterError:  # its subclasses (ClusterDownError) say what they are
+                raise
+            raise TryAgainError(f"slot still moving after every retry: {exc}") from exc
+
+
 def async_client(url: str, **options: Any) -> aioredis.Redis:
     """An asyncio client for ``url``: a ``RedisCluster`` for a cluster URL (typed as ``Redis``: it
-    answers the same commands), else ``Redis.from_url``. ``options`` go to every connection."""
+    answers the same commands; see :class:`_ClusterClient`), else ``Redis.from_url``. ``options`` go
+    to every connection."""
     if not is_cluster_url(url):
         return aioredis.Redis.from_url(url, **options)
     parsed = parse_cluster_url(url)
     nodes = [AsyncClusterNode(host, port) for host, port in parsed.nodes]
-    return cast(aioredis.Redis, AsyncRedisCluster(startup_nodes=nodes, **parsed.options(), **options))
+    return cast(aioredis.Redis, _ClusterClient(startup_nodes=nodes, **parsed.options(), **options))
 
 
 def sync_client(url: str, **options: Any) -> redis.Redis:

@@ -167,8 +167,11 @@ class RedisStore:
         results = []
         for (spec, keys), reply in zip(calls, replies, strict=True):
             answer = reply
-            if isinstance(reply, ResponseError):
-                if "function not found" not in str(reply).lower():
+            # Any exception, not only a ResponseError: a cluster pipeline also hands back a node's
+            # ConnectionError (a primary gone) or a redirection that never settled (a slot moving) in
+            # its replies, which is Redis trouble to raise, not an answer to index.
+            if isinstance(reply, Exception):
+                if not isinstance(reply, ResponseError) or "function not found" not in str(reply).lower():
                     raise reply
                 answer = await self._fcall(spec, keys)  # reloads the library and retries this one
             results.append(ApplyResult(int(answer[0]), _str(answer[1])))
