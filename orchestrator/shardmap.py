@@ -11,6 +11,9 @@ version; the store writes it only over the version it was made from.
 
 from __future__ import annotations
 
+import bisect
+import functools
+import hashlib
 import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
@@ -168,35 +171,67 @@ def pinned(shard_map: ShardMap, spec: str, classes: Iterable[str]) -> list[str]:
     return found
 
 
-def assign(shards: Iterable[str], members: Iterable[str], me: str, offset: int = 0) -> list[str]:
-    """The shards ``me`` serves when the live ``members`` divide ``shards`` (one class's) among them: in
-    sorted order, shard i to member (i + offset) mod n. Every member computes the same split from the same
-    reading, each shard has one member, and the counts are within one of each other. ``offset`` (the
-    shards of the classes before this one) carries the round on from class to class, so that members of
-    every class also get totals within one of each other."""
-    ordered = sorted(set(members))
-    if me not in ordered:
-        return []
-    mine = ordered.index(me)
-    return [
-        shard for i, shard in enumerate(sorted(shards, key=_number)) if (i + offset) % len(ordered) == mine
-    ]
+#: Points per member on the assignment ring. More points spread a member's share more evenly round the
+#: ring, so fewer shards move when a member joins or leaves; building the ring costs members x points.
+RING_POINTS = 64
 
 
-def _number(shard: str) -> int:
-    return int(shard.rsplit(".", 1)[1])
+def _point(text: str) -> int:
+    """A position on the ring, the same in every process (Python's own ``hash`` is salted per process)."""
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
+
+
+@functools.lru_cache(maxsize=16)
+def _ring(members: tuple[str, ...]) -> tuple[list[int], list[str]]:
+    points = sorted((_point(f"{member}#{i}"), member) for member in members for i in range(RING_POINTS))
+    return [p for p, _ in points], [m for _, m in points]
+
+
+def balanced(
+    shards: Iterable[str], members: Iterable[str], totals: Mapping[str, int] | None = None, salt: str = ""
+) -> dict[str, str]:
+    """Shard -> member, for ``members`` dividing ``shards``: every shard to one member, counts within one
+    of each other, and stable, so a member joining or leaving moves about its own share of shards, not
+    all of them (each move is a handover of a queue's single active consumer).
+
+    Consistent hashing with bounded loads: each member has ``RING_POINTS`` points on a ring, and each
+    shard, taken in the ring order of its own point, goes to the first member clockwise that still has
+    room. Room is ``len(shards) // n`` each, plus one for the ``len(shards) % n`` members that hold the
+    fewest shards so far (``totals``: what earlier classes gave them; ties broken by ``salt``, the class),
+    so that totals over several classes stay within one as well. Every process computes the same answer
+    from the same reading."""
+    wanted = sorted(set(shards))
+    group = tuple(sorted(set(members)))
+    if not wanted or not group:
+        return {}
+    so_far = totals or {}
+    base, extra = divmod(len(wanted), len(group))
+    by_need = sorted(group, key=lambda m: (so_far.get(m, 0), _point(f"{salt}|{m}")))
+    room = {member: base + (1 if i < extra else 0) for i, member in enumerate(by_need)}
+    points, owners_at = _ring(group)
+    found: dict[str, str] = {}
+    for shard in sorted(wanted, key=_point):
+        start = bisect.bisect(points, _point(shard))
+        for step in range(len(points)):  # ends: the rooms add up to the shards
+            member = owners_at[(start + step) % len(points)]
+            if room[member]:
+                room[member] -= 1
+                found[shard] = member
+                break
+    return found
 
 
 def owners(shard_map: ShardMap, members: Mapping[str, Iterable[str]]) -> dict[str, str]:
     """Served shard -> the member whose share it is, for the classes ``members`` (class -> live members)
     names. The one place the split is made: a member serving its share and ``saga shards list`` saying who
-    serves what read it alike. The offset runs over every class of the map, whoever asks."""
+    serves what read it alike. Classes are divided in the map's order, each knowing what the ones before
+    gave every member (:func:`balanced`)."""
     found: dict[str, str] = {}
-    offset = 0
+    totals: dict[str, int] = {}
     for shard_class in shard_map.classes:
         served = shard_map.in_state(ShardState.ACTIVE, ShardState.DRAINING, shard_class=shard_class)
-        live = list(members.get(shard_class, ()))
-        for member in live:
-            found.update(dict.fromkeys(assign(served, live, member, offset), member))
-        offset += len(served)
+        split = balanced(served, members.get(shard_class, ()), totals, shard_class)
+        for member in split.values():
+            totals[member] = totals.get(member, 0) + 1
+        found.update(split)
     return found

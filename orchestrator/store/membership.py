@@ -1,5 +1,5 @@
 """Orchestrator processes that follow the shard map register here, per shard class, with a lease they
-renew; the live members divide the class's served shards among themselves (``shardmap.assign``).
+renew; the live members divide the class's served shards among themselves (``shardmap.owners``).
 
 One sorted set per class, member = process id, score = when its lease ends. A reading drops expired
 members first, so a process that died (or stopped answering: SIGSTOP, a partition) is out once its lease
