@@ -8,7 +8,8 @@ STAMP  := $(VENV)/.installed
 .PHONY: demo test test-fast test-cluster lint typecheck unit rest install clean
 
 # Unit tests (no services, seconds) run before the rest (RabbitMQ + Redis, minutes), so a unit failure
-# shows at once. Together the two runs cover every test under tests/ (pyproject testpaths), as before.
+# shows at once. Together the two runs cover every test under tests/ (pyproject testpaths) except those
+# marked long, which `make test-cluster` runs.
 UNIT_TESTS := tests/unit tests/golden
 NOT_UNIT   := $(foreach d,$(UNIT_TESTS),--ignore=$(d))
 

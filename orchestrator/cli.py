@@ -74,13 +74,23 @@ def _env(modules: tuple[str, ...], registry_file: str | None) -> Env:
     return Env(load_settings(), modules, registry_file)
 
 
+def _shown(loc: tuple[int | str, ...], value: Any) -> str:
+    """A refused setting's value for a message: never a key, never a URL's password."""
+    if "signing_keys" in loc:
+        return "the keys, not shown"
+    if isinstance(value, str) and ("amqp_url" in loc or "redis_url" in loc):
+        return repr(redacted(value))
+    return repr(value)
+
+
 def load_settings() -> Settings:
     """Read SAGA_* once; a bad value is a usage error (exit 2) that names the variable."""
     try:
         return Settings()
     except pydantic.ValidationError as exc:
         problems = "; ".join(
-            f"SAGA_{'_'.join(str(p) for p in e['loc']).upper()}: {e['msg']} (got {e['input']!r})"
+            f"SAGA_{'_'.join(str(p) for p in e['loc']).upper()}: {e['msg']} "
+            f"(got {_shown(e['loc'], e['input'])})"
             for e in exc.errors(include_url=False)
         )
         raise CodedUsageError("invalid_setting", f"invalid setting: {problems}") from exc
@@ -255,8 +265,9 @@ async def _apply_topology(url: str, build: Callable[[], Awaitable[Topology]]) ->
     except broker_errors as exc:
         raise _BrokerError(
             f"RabbitMQ at {redacted(url)} refused the topology: {_broker_reason(exc, url)} (an exchange or "
-            "queue that exists with other arguments keeps them: change it with a policy, or delete it and "
-            "apply again)",
+            "queue that exists with other arguments keeps them: use the SAGA_DELIVERY_LIMIT and "
+            "SAGA_QUORUM_GROUP_SIZE it was declared with, change it with a policy, or delete it and apply "
+            "again)",
             "broker_refused",
         ) from exc
     finally:

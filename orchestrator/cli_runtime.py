@@ -20,7 +20,7 @@ import aio_pika
 import click
 
 from orchestrator.bus import names
-from orchestrator.bus.connect import connect_robust
+from orchestrator.bus.connect import connect_robust, untracked_channel
 from orchestrator.bus.envelope import Signer
 from orchestrator.bus.publisher import Publisher
 from orchestrator.cli_errors import SERVICE_ERRORS, CliError, CodedUsageError, unreachable
@@ -534,6 +534,7 @@ def reconcile(dry_run: bool, min_age_s: float, stranded_after_s: float, as_json:
                     settings.delivery_limit,
                     connection.channel,
                     settings.quorum_group_size,
+                    renew_with=lambda: untracked_channel(connection),
                 ),
                 min_age_ms=int(min_age_s * 1000),
                 stranded_after_ms=int(stranded_after_s * 1000),

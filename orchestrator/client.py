@@ -441,15 +441,16 @@ class Client:
         self._publisher: Publisher | None = None
 
     async def __aenter__(self) -> Client:
-        self._connection = await connect_robust(self.settings.amqp_url)
-        connection = self._connection
+        self._connection = connection = await connect_robust(self.settings.amqp_url)
+        try:
+            first = await untracked_channel(connection)
+        except BaseException:
+            await connection.close()
+            raise
         # the shared publisher: confirms, mandatory, a few retries of broker trouble, and a fresh channel
         # after a negative confirm (a quorum queue that lost its leader)
         self._publisher = Publisher(
-            await untracked_channel(connection),
-            self.signer,
-            self.settings.names(),
-            renew_with=lambda: untracked_channel(connection),
+            first, self.signer, self.settings.names(), renew_with=lambda: untracked_channel(connection)
         )
         return self
 

@@ -110,6 +110,14 @@ class Settings(BaseSettings):
     def _comma_separated(cls, value: object) -> object:
         return _split(value)
 
+    @field_validator("amqp_url")
+    @classmethod
+    def _names_nodes(cls, value: str) -> str:
+        from orchestrator.bus.connect import node_urls
+
+        node_urls(value)  # a ValueError here says what is wrong with it, password hidden
+        return value
+
     @field_validator("crash_points")
     @classmethod
     def _known_crash_points(cls, value: tuple[str, ...]) -> tuple[str, ...]:

@@ -170,8 +170,8 @@ class WorkerRuntime:
         except aiormq.exceptions.ChannelPreconditionFailed as exc:
             raise MissingTopology(
                 f"a queue this worker serves exists with other arguments "
-                f"({exc.args[0] if exc.args else exc}): give every process the same SAGA_DELIVERY_LIMIT, "
-                "or delete the queue once it is empty"
+                f"({exc.args[0] if exc.args else exc}): give every process the same SAGA_DELIVERY_LIMIT "
+                "and SAGA_QUORUM_GROUP_SIZE, or delete the queue once it is empty"
             ) from exc
         return consumers
 

@@ -22,11 +22,13 @@ import aio_pika
 import aio_pika.abc
 import pika
 from aio_pika.exceptions import CONNECTION_EXCEPTIONS
-from aiormq.exceptions import AMQPConnectionError
+from aiormq.exceptions import AMQPConnectionError, ChannelInvalidStateError
 from yarl import URL
 
 _SCHEMES = ("amqp://", "amqps://")
-_SCHEME = re.compile(r"^(amqps?://)([^@/]*@)?([^/?]*)(.*)$")
+# the credentials run to the last '@' before the path: a password may hold an '@' of its own
+_SCHEME = re.compile(r"^(amqps?://)([^/]*@)?([^/?]*)(.*)$")
+_ENCODE = "percent-encode ',' and '@' in a password (%2C, %40)"
 _HOST = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[\w.-]+)(:\d+)?$")
 
 #: Seconds between attempts after a connection is lost (aio-pika's default is 5): with several nodes the
@@ -50,15 +52,16 @@ def node_urls(spec: str) -> list[str]:
     if not any(parts):
         raise ValueError("SAGA_AMQP_URL is empty: give amqp://user:password@host:port/vhost")
     if "" in parts:
-        raise ValueError(f"SAGA_AMQP_URL {_redacted(spec)!r} has an empty entry between commas")
+        raise ValueError(f"SAGA_AMQP_URL {redacted(spec)!r} has an empty entry between commas")
     whole = [part.startswith(_SCHEMES) for part in parts]
     if not whole[0]:
-        raise ValueError(f"SAGA_AMQP_URL must start with amqp:// or amqps://, got {_redacted(parts[0])!r}")
+        raise ValueError(f"SAGA_AMQP_URL must start with amqp:// or amqps://, got {redacted(parts[0])!r}")
     if all(whole):
         return parts
     if any(whole[1:]):
         raise ValueError(
-            f"SAGA_AMQP_URL {_redacted(spec)!r}: list whole URLs or the hosts of one URL, not a mix"
+            f"SAGA_AMQP_URL {redacted(spec)!r}: list whole URLs or the hosts of one URL, not a mix "
+            f"({_ENCODE})"
         )
     # "amqp://u:p@h1:5672,h2:5673/v": the scheme and credentials come before the first host, the path and
     # options after the last one.
@@ -67,17 +70,13 @@ def node_urls(spec: str) -> list[str]:
     scheme, credentials, hosts, rest = match.groups()
     for host in hosts.split(","):
         if not _HOST.match(host):
-            raise ValueError(f"SAGA_AMQP_URL {_redacted(spec)!r}: {host!r} is not a host[:port]")
+            raise ValueError(f"SAGA_AMQP_URL {redacted(spec)!r}: {host!r} is not a host[:port] ({_ENCODE})")
     return [f"{scheme}{credentials or ''}{host}{rest}" for host in hosts.split(",")]
 
 
-def _redacted(url: str) -> str:
-    return re.sub(r"://([^:@/]*):[^@/]*@", r"://\1:***@", url)
-
-
 def redacted(spec: str) -> str:
-    """``spec`` with every password replaced by ``***``, for messages and logs."""
-    return _redacted(spec)
+    """``spec`` with every password replaced by ``***`` (and no options), for messages and logs."""
+    return re.sub(r"://([^:@/]*):[^/]*@", r"://\1:***@", re.sub(r"\?[^,]*", "", spec))
 
 
 def with_options(url: str, **options: object) -> str:
@@ -141,7 +140,9 @@ async def connect_once(spec: str, *, timeout_s: float = 10) -> aio_pika.abc.Abst
     raise _unreachable(nodes, failures)
 
 
-async def untracked_channel(connection: aio_pika.abc.AbstractConnection) -> aio_pika.abc.AbstractChannel:
+async def untracked_channel(
+    connection: aio_pika.abc.AbstractConnection, wait_s: float = 5.0
+) -> aio_pika.abc.AbstractChannel:
     """A confirm-mode channel (unroutable mandatory messages raise) that a robust connection does not
     track, so it is never reopened behind its owner's back.
 
@@ -149,9 +150,15 @@ async def untracked_channel(connection: aio_pika.abc.AbstractConnection) -> aio_
     closed (its restore clears the closed state). A loop that opens channels of its own after trouble
     would then have a second consumer on a channel nobody reads; on a single-active-consumer queue that
     one may be the consumer that gets every delivery. Raises ChannelInvalidStateError while the
-    connection is down."""
-    channel = aio_pika.Channel(connection, publisher_confirms=True, on_return_raises=True)
-    await channel.initialize()
+    connection is down (after waiting up to ``wait_s`` for it to come back)."""
+    connected: asyncio.Event | None = getattr(connection, "connected", None)
+    try:
+        if connected is not None:
+            await asyncio.wait_for(connected.wait(), wait_s)
+        channel = aio_pika.Channel(connection, publisher_confirms=True, on_return_raises=True)
+        await channel.initialize()
+    except (RuntimeError, TimeoutError) as exc:  # aio-pika's "connection closed" is a RuntimeError
+        raise ChannelInvalidStateError(f"no open connection to RabbitMQ to open a channel on: {exc}") from exc
     return channel
 
 
@@ -164,8 +171,9 @@ def _unreachable(nodes: list[str], failures: list[BaseException]) -> BaseExcepti
     if len(failures) == 1:
         return failures[0]
     reasons = "; ".join(
-        f"{_redacted(url)}: {exc or type(exc).__name__}" for url, exc in zip(nodes, failures, strict=True)
+        f"{redacted(url)}: {exc or type(exc).__name__}" for url, exc in zip(nodes, failures, strict=True)
     )
     return NoBrokerReachable(
-        f"no RabbitMQ node answered ({reasons}): start RabbitMQ or fix SAGA_AMQP_URL (nodes comma-separated)"
+        f"no RabbitMQ node could be connected to ({reasons}): start RabbitMQ or fix SAGA_AMQP_URL "
+        "(nodes comma-separated)"
     )

@@ -15,7 +15,7 @@ from typing import Any
 
 import aio_pika
 import aiormq
-from aio_pika.abc import AbstractChannel, AbstractExchange
+from aio_pika.abc import AbstractChannel
 from pamqp import commands as spec
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential
 
@@ -118,13 +118,7 @@ class Publisher:
         self.renew_with = renew_with
         self._owned: AbstractChannel | None = None  # a channel this publisher opened, and closes
         self._renewing = asyncio.Lock()
-        self._exchanges: dict[str, AbstractExchange] = {}
         self._declared: dict[str, asyncio.Future[None]] = {}
-
-    async def _exchange(self, name: str) -> AbstractExchange:
-        if name not in self._exchanges:
-            self._exchanges[name] = await self.channel.get_exchange(name, ensure=False)
-        return self._exchanges[name]
 
     async def publish_all(self, messages: Iterable[Outgoing], now_ms: int) -> list[str]:
         batch = list(messages)
@@ -202,7 +196,8 @@ class Publisher:
             # go to it, so bind it (a binding has no arguments to disagree on) and say so.
             log.error(
                 "queue %s exists with other arguments than this process declares (%s): tasks still go "
-                "to it; give every process the same SAGA_DELIVERY_LIMIT, or delete the queue once empty",
+                "to it; give every process the same SAGA_DELIVERY_LIMIT and SAGA_QUORUM_GROUP_SIZE, or "
+                "delete the queue once empty",
                 layout.queue.name,
                 exc,
             )
@@ -289,7 +284,6 @@ class Publisher:
             fresh = await self.renew_with()
             stale, self._owned = self._owned, fresh
             self.channel = fresh
-            self._exchanges.clear()
         log.info("publishing on a fresh channel from now on (a publish was nacked, or the channel closed)")
         if stale is not None:
             with contextlib.suppress(Exception):

@@ -218,11 +218,11 @@ class ShardService:
         queue = await channel.declare_queue(self.options.names.shard_queue(shard), passive=True)
         inbox: asyncio.Queue[AbstractIncomingMessage] = asyncio.Queue()
         tag = await queue.consume(inbox.put, no_ack=False)
-        await self._relay(shard, publisher)
-        next_relay = time.monotonic() + self.options.relay_interval_s
-        next_timers = time.monotonic()
-        next_reconcile = time.monotonic() + self.options.reconcile_interval_s
         try:
+            await self._relay(shard, publisher)
+            next_relay = time.monotonic() + self.options.relay_interval_s
+            next_timers = time.monotonic()
+            next_reconcile = time.monotonic() + self.options.reconcile_interval_s
             while not self._left(shard):
                 if channel.is_closed:  # the connection dropped: nothing more will arrive on it
                     raise ChannelInvalidStateError(f"shard {shard}: its channel closed")

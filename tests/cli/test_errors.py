@@ -256,3 +256,18 @@ def test_a_redis_that_accepts_and_never_answers_is_an_error_document_not_a_trace
         assert text.exit_code == 2 and text.stderr.startswith("error: cannot reach Redis")
     finally:
         silent.close()
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("SAGA_AMQP_URL", "amqp://u:hunter2@h1:1,amqp://u:hunter2@h2/v,h3"),
+        ("SAGA_AMQP_URL", "amqp://u:hunter2@h1:1,,h2:2/v"),
+    ],
+)
+def test_a_refused_setting_is_named_without_its_secret(name: str, value: str) -> None:
+    result = invoke("shards", "list", "--json", env={name: value})
+    assert result.exit_code == 2
+    error = error_of(result)
+    assert error["code"] == "invalid_setting" and name in error["message"], error
+    assert "hunter2" not in result.output

@@ -8,20 +8,28 @@ node within 30 s."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pika.exceptions
 import pytest
 
 from orchestrator.client import SyncClient
-from tests.cluster.rabbit import LocalRabbitCluster
+from tests.cluster.rabbit import SERVER, LocalRabbitCluster
 from tests.faults import invariants
 from tests.integration.stack import Stack, poll
 
-pytestmark = pytest.mark.services
+pytestmark = [
+    pytest.mark.services,
+    pytest.mark.skipif(
+        not Path(SERVER).exists() or os.geteuid() != 0,
+        reason=f"starts extra RabbitMQ nodes with {SERVER} as the rabbitmq user: needs that install and root",
+    ),
+]
 
 RUNS = 90
 KILL_AFTER = 30  # confirmed starts before the node is killed

@@ -2,10 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
+import socket
+
 import pytest
 from yarl import URL
 
-from orchestrator.bus.connect import blocking_parameters, node_urls, redacted, with_options
+from orchestrator.bus.connect import (
+    FailoverConnection,
+    NoBrokerReachable,
+    blocking_parameters,
+    connect_robust,
+    node_urls,
+    redacted,
+    with_options,
+)
 
 
 def test_one_url_is_left_as_it_is() -> None:
@@ -65,3 +76,58 @@ def test_options_are_added_without_overriding_the_url_s_own() -> None:
 def test_blocking_parameters_name_every_node() -> None:
     params = blocking_parameters("amqp://u:p@h1:5681,h2:5682/v")
     assert [(p.host, p.port, p.virtual_host) for p in params] == [("h1", 5681, "v"), ("h2", 5682, "v")]
+
+
+def test_a_password_may_hold_an_at_sign() -> None:
+    assert node_urls("amqp://u:p@ss@h1:1,h2:2/v") == ["amqp://u:p@ss@h1:1/v", "amqp://u:p@ss@h2:2/v"]
+    assert redacted("amqp://u:p@ss@h1:1/v") == "amqp://u:***@h1:1/v"
+
+
+def test_a_comma_in_a_password_is_read_in_one_url_and_refused_in_a_list_with_how_to_write_it() -> None:
+    assert node_urls("amqp://u:pa,ss@h1:1,h2:2/v") == ["amqp://u:pa,ss@h1:1/v", "amqp://u:pa,ss@h2:2/v"]
+    with pytest.raises(ValueError, match="%2C") as raised:
+        node_urls("amqp://u:pa,ss@h1:1/v,amqp://u:pa,ss@h2:2/v")
+    assert "ss@h1" not in str(raised.value)
+
+
+def test_messages_show_no_options() -> None:
+    assert redacted("amqp://u:p@h1:1/v?heartbeat=5&reconnect_interval=1") == "amqp://u:***@h1:1/v"
+
+
+def _nothing_listening(port_count: int) -> list[int]:
+    """Loopback ports that refuse connections (bound, then closed)."""
+    ports = []
+    for _ in range(port_count):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            ports.append(probe.getsockname()[1])
+    return ports
+
+
+def test_no_reachable_node_names_every_node_tried() -> None:
+    async def go() -> None:
+        ports = _nothing_listening(2)
+        spec = "amqp://u:secret@" + ",".join(f"127.0.0.1:{p}" for p in ports) + "/v"
+        with pytest.raises(NoBrokerReachable) as raised:
+            await connect_robust(spec, timeout_s=2)
+        message = str(raised.value)
+        assert all(str(p) in message for p in ports) and "secret" not in message
+        assert "reconnect_interval" not in message
+
+    asyncio.run(go())
+
+
+def test_a_failover_connection_moves_round_its_nodes_on_every_close() -> None:
+    async def go() -> list[str]:
+        nodes = ["amqp://h1:1/", "amqp://h2:2/", "amqp://h3:3/"]
+        connection = FailoverConnection(URL(nodes[1]), nodes=nodes)
+        seen = []
+        for _ in range(4):
+            closing = asyncio.get_running_loop().create_future()
+            closing.set_exception(ConnectionRefusedError())
+            await connection._on_connection_close(closing)
+            seen.append(str(connection.url))
+        await connection.close()
+        return seen
+
+    assert asyncio.run(go()) == ["amqp://h3:3/", "amqp://h1:1/", "amqp://h2:2/", "amqp://h3:3/"]
