@@ -41,20 +41,21 @@ def _free(port: int) -> bool:
         return True
 
 
-def free_ports(count: int, first: int = 7100, last: int = 7999) -> list[int]:
-    """``count`` ports in ``first``-``last`` whose cluster-bus ports are free too. The search starts at a
-    random port of the range (and wraps), so that two test sessions starting clusters at the same moment
-    rarely reach for the same ports (``start`` checks that every server it talks to is its own)."""
+def free_ports(count: int, first: int = 7100, last: int = 7999, companion: int = BUS_OFFSET) -> list[int]:
+    """``count`` ports in ``first``-``last`` whose companion ports (``port + companion``: a Redis node's
+    cluster bus, a RabbitMQ node's distribution port) are free too. The search starts at a random port
+    of the range (and wraps), so that two test sessions starting clusters at the same moment rarely
+    reach for the same ports (``start`` checks that every server it talks to is its own)."""
     found: list[int] = []
     span = last - first
     offset = random.randrange(span)
     for i in range(span):
         port = first + (offset + i) % span
-        if _free(port) and _free(port + BUS_OFFSET):
+        if _free(port) and _free(port + companion):
             found.append(port)
             if len(found) == count:
                 return found
-    raise RuntimeError(f"no {count} free ports (and bus ports) in {first}-{last}")
+    raise RuntimeError(f"no {count} free ports (and ports {companion} above them) in {first}-{last}")
 
 
 @dataclass(frozen=True)

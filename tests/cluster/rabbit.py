@@ -13,34 +13,17 @@ import os
 import pwd
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from tests.cluster.cluster import free_ports
 from tests.integration.stack import poll, rabbitmqctl
 
 SERVER = "/usr/lib/rabbitmq/bin/rabbitmq-server"
 DIST_OFFSET = 20_000  # RabbitMQ's own default: the distribution port is the AMQP port + 20000
 PLUGINS = "[rabbitmq_consistent_hash_exchange]."
-
-
-def _free(port: int) -> bool:
-    with socket.socket() as probe:
-        try:
-            probe.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-        return True
-
-
-def free_ports(count: int, first: int = 5681, last: int = 5799) -> list[int]:
-    """``count`` AMQP ports from ``first`` on whose distribution ports are free too."""
-    found = [p for p in range(first, last) if _free(p) and _free(p + DIST_OFFSET)][:count]
-    if len(found) < count:
-        raise RuntimeError(f"no {count} free ports (and distribution ports) in {first}-{last}")
-    return found
 
 
 @dataclass(frozen=True)
@@ -78,7 +61,8 @@ class LocalRabbitCluster:
     def __init__(self, size: int = 3) -> None:
         self.folder = Path(tempfile.mkdtemp(prefix="saga-rabbit-"))
         self.nodes = [
-            Node(f"saga-t{port}@localhost", port, self.folder / str(port)) for port in free_ports(size)
+            Node(f"saga-t{port}@localhost", port, self.folder / str(port))
+            for port in free_ports(size, 5681, 5799, companion=DIST_OFFSET)
         ]
         self.stopped: set[str] = set()
 

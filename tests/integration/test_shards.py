@@ -62,6 +62,8 @@ def test_shards_added_drained_and_retired_under_runs(stack: Stack) -> None:
     # the triage refuses them; 40 over 4 shards leave fast.0 none with odds of 1 in 100,000
     too_big = [{"sizeMb": 9000 + i, "format": "glb"} for i in range(40)]
     failing = asyncio.run(start(stack, "ingest-triage", too_big))
+    # a run's shard is known once that shard has created it (the run-id index), not when it is started
+    poll(lambda: all(stack.shard_of(run_id) for run_id in first + failing), 30, what="every run created")
     placed = {run_id: stack.shard_of(run_id) for run_id in first + failing}
     assert {"fast.2", "fast.3"} & set(placed.values())
 
