@@ -9,10 +9,7 @@ twin only in where the state lives.
 
 from __future__ import annotations
 
-import asyncio
 import signal
-import time
-from collections import Counter
 
 import pytest
 
@@ -38,13 +35,7 @@ from tests.faults.harness import (
 from tests.faults.invariants import assert_no_violations
 from tests.faults.lifecycle import load_in_flight, terminal_count, wait_for_crash
 from tests.faults.test_crash_points import duplicates_recorded
-from tests.faults.test_storm import (
-    Storm,
-    declare_tap,
-    storm_until_done,
-    storm_violations,
-    storm_workload,
-)
+from tests.faults.test_storm import storm_scenario
 
 pytestmark = [pytest.mark.services, pytest.mark.long]
 
@@ -116,33 +107,8 @@ def test_a_storm_of_duplicated_reordered_stale_and_late_reports_changes_nothing(
     starts, all correctly signed. Asserts: some of every kind were sent; every run completed with the
     output its workers computed; no result or barrier member holds a forged value; every storm message
     was recorded as a refused callback of its run; and every invariant of the fault suite."""
-    rng = fault_seed.rng
     with serving_stack(cluster, "cluster-storm") as stack:
-        declare_tap(stack)
-        starts, expected = storm_workload(stack, rng)
-        run_ids = [s.run_id for s in starts]
-        restarts = rng.sample(starts, k=len(starts) // 5)
-        storm = Storm(stack, rng)
-        # Given many live runs
-        start_all(stack.settings, starts)
-        # When the storm hits their shards while they go on, and after they have ended
-        asyncio.run(storm_until_done(stack, storm, run_ids, restarts))
-        print(f"storm: {sum(storm.sent.values())} messages {dict(storm.kinds)}; {storm.dropped} dropped")
-        # Then every run completed as if there had been no storm, and every storm message was refused
-        pending = invariants.wait_for_convergence(stack.redis, stack.prefix, run_ids, CONVERGE_S)
-        if pending:
-            print(f"orchestrator log, last lines:\n{log_tail(stack, 'orchestrator')}")
-        assert_no_violations(pending, f"liveness under a storm (seed {fault_seed.seed})")
-        assert {"replay", "stale", "settled", "late", "restart"} <= set(storm.kinds), storm.kinds
-        deadline = time.monotonic() + CONVERGE_S  # the storm's last messages may still be queued
-        while storm_violations(stack, storm, expected) and time.monotonic() < deadline:
-            time.sleep(0.5)
-        violations = storm_violations(stack, storm, expected)
-        runs = invariants.load_runs(stack.redis, stack.prefix, run_ids)
-        reasons = Counter(
-            e.detail.get("reason") for r in runs for e in r.history if e.kind == "callback.rejected"
-        )
-        print(f"recorded refusals by reason: {dict(reasons)}")
+        violations, run_ids = storm_scenario(stack, fault_seed)
         violations += invariant_violations(stack, run_ids)
         assert_no_violations(violations, f"the invariants after a storm (seed {fault_seed.seed})")
 

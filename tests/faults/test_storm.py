@@ -290,46 +290,53 @@ def test_a_storm_of_duplicated_reordered_stale_and_late_reports_changes_nothing(
     refused callback of its run; each join and bag released once with exactly its members, at most one
     accepted result per (run, stage, attempt), one effect per idempotency key, no unsent outbox entry,
     no dead letter and nothing on saga.rejected."""
-    rng = fault_seed.rng
     stack = Stack("storm")
     try:
         stack.setup()
-        declare_tap(stack)
         stack.start_orchestrator()
         stack.start_worker()
         wait_until_consuming(stack, is_shard_queue)
         wait_until_consuming(stack, is_task_queue)
-        starts, expected = storm_workload(stack, rng)
-        run_ids = [s.run_id for s in starts]
-        restarts = rng.sample(starts, k=len(starts) // 5)
-        storm = Storm(stack, rng)
-        # Given many live runs
-        start_all(stack.settings, starts)
-        # When the storm hits their shards while they go on, and after they have ended
-        asyncio.run(storm_until_done(stack, storm, run_ids, restarts))
-        print(
-            f"storm: {sum(storm.sent.values())} messages {dict(storm.kinds)} from {len(storm.captured)} "
-            f"captured reports; {storm.dropped} settled reports never safe to send"
-        )
-
-        # Then every run completed as if there had been no storm, and every storm message was refused
-        pending = invariants.wait_for_convergence(stack.redis, stack.prefix, run_ids, CONVERGE_S)
-        if pending:
-            print(f"orchestrator log, last lines:\n{log_tail(stack, 'orchestrator')}")
-        assert_no_violations(pending, f"liveness under a storm (seed {fault_seed.seed})")
-        assert {"replay", "stale", "settled", "late", "restart"} <= set(storm.kinds), storm.kinds
-        # (the storm's last messages may still be queued: give them the same liveness bound)
-        deadline = time.monotonic() + CONVERGE_S
-        while storm_violations(stack, storm, expected) and time.monotonic() < deadline:
-            time.sleep(0.5)
-        violations = storm_violations(stack, storm, expected)
-        runs = invariants.load_runs(stack.redis, stack.prefix, run_ids)
-        reasons = Counter(
-            e.detail.get("reason") for r in runs for e in r.history if e.kind == "callback.rejected"
-        )
-        print(f"recorded refusals by reason: {dict(reasons)} (storm sent {sum(storm.sent.values())})")
+        violations, run_ids = storm_scenario(stack, fault_seed)
         violations += invariants.check_runs(stack.redis, stack.prefix, run_ids, all_runs=True)
         violations += invariants.dead_letters(stack.queue_depths())
         assert_no_violations(violations, f"the invariants after a storm (seed {fault_seed.seed})")
     finally:
         stack.teardown()
+
+
+def storm_scenario(stack: Stack, fault_seed: FaultSeed) -> tuple[list[str], list[str]]:
+    """The storm on a serving stack (shared with the Redis Cluster suite): starts the workload, storms
+    it until done, asserts liveness and that every kind was sent, and returns what the storm's own
+    checks found (empty when sound) and the run ids, for the caller's invariant checks."""
+    rng = fault_seed.rng
+    declare_tap(stack)
+    starts, expected = storm_workload(stack, rng)
+    run_ids = [s.run_id for s in starts]
+    restarts = rng.sample(starts, k=len(starts) // 5)
+    storm = Storm(stack, rng)
+    # Given many live runs
+    start_all(stack.settings, starts)
+    # When the storm hits their shards while they go on, and after they have ended
+    asyncio.run(storm_until_done(stack, storm, run_ids, restarts))
+    print(
+        f"storm: {sum(storm.sent.values())} messages {dict(storm.kinds)} from {len(storm.captured)} "
+        f"captured reports; {storm.dropped} settled reports never safe to send"
+    )
+    # Then every run completed as if there had been no storm, and every storm message was refused
+    pending = invariants.wait_for_convergence(stack.redis, stack.prefix, run_ids, CONVERGE_S)
+    if pending:
+        print(f"orchestrator log, last lines:\n{log_tail(stack, 'orchestrator')}")
+    assert_no_violations(pending, f"liveness under a storm (seed {fault_seed.seed})")
+    assert {"replay", "stale", "settled", "late", "restart"} <= set(storm.kinds), storm.kinds
+    # (the storm's last messages may still be queued: give them the same liveness bound)
+    deadline = time.monotonic() + CONVERGE_S
+    while storm_violations(stack, storm, expected) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    violations = storm_violations(stack, storm, expected)
+    runs = invariants.load_runs(stack.redis, stack.prefix, run_ids)
+    reasons = Counter(
+        e.detail.get("reason") for r in runs for e in r.history if e.kind == "callback.rejected"
+    )
+    print(f"recorded refusals by reason: {dict(reasons)} (storm sent {sum(storm.sent.values())})")
+    return violations, run_ids
