@@ -12,6 +12,7 @@ STAMP  := $(VENV)/.installed
 # marked long, which `make test-cluster` runs.
 UNIT_TESTS := tests/unit tests/golden
 NOT_UNIT   := $(foreach d,$(UNIT_TESTS),--ignore=$(d))
+NOT_LONG   := -m 'not long'
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -35,12 +36,12 @@ unit: $(STAMP)
 	$(BIN)/python -m pytest $(UNIT_TESTS)
 
 rest: $(STAMP)  # integration, CLI and fault-injection tests
-	$(BIN)/python -m pytest tests $(NOT_UNIT) -m 'not long'
+	$(BIN)/python -m pytest tests $(NOT_UNIT) $(NOT_LONG)
 
 # Everything, unit tests first (what .ci/run runs): about 9-10 minutes on 2 cores.
 test: lint typecheck
 	$(BIN)/python -m pytest $(UNIT_TESTS)
-	$(BIN)/python -m pytest tests $(NOT_UNIT) -m 'not long'
+	$(BIN)/python -m pytest tests $(NOT_UNIT) $(NOT_LONG)
 
 # The cluster suites too long for CI (Redis Cluster failover and slot migration, RabbitMQ cluster node
 # loss under load): run before a release and quoted in the change's notes.

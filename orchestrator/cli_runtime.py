@@ -532,7 +532,7 @@ def reconcile(dry_run: bool, min_age_s: float, stranded_after_s: float, as_json:
                     signer,
                     settings.names(),
                     settings.delivery_limit,
-                    connection.channel,
+                    lambda: untracked_channel(connection),
                     settings.quorum_group_size,
                     renew_with=lambda: untracked_channel(connection),
                 ),
