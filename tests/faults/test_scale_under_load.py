@@ -71,7 +71,7 @@ assert sum(BATCHES) == RUNS
 BAG_ITEMS = 2000
 LONG_ITEMS, LONG_ITEM_MS = 3, 15_000  # bag items slow enough that the bag still runs at the add
 HOLDERS = 24  # over 8 shards: fewer than 3 shards holding one has odds of 1 in 10^13
-HOLD_QUEUE = "scale-hold"
+HOLD_QUEUE = "tasks.scale-hold"
 AGAIN = 30  # starts sent again, for runs of the drained shards
 TAKEOVER_S = 30.0  # the bound the scenario claims for a killed process's shards
 SETTLE_S = 60.0  # liveness bounds, far above what each step takes; not timing claims

@@ -67,7 +67,7 @@ def _retry(draw: st.DrawFn) -> dict[str, Any]:
 
 WORK_OPTIONS = st.fixed_dictionaries({}, optional={
     "retry": _retry(), "queue_deadline_ms": st.integers(1, DAY_MS), "description": PROSE,
-    "queue": st.sampled_from(["rendering", "tasks.parallel", "custom-q"]),
+    "queue": st.sampled_from(["rendering", "tasks.parallel", "tasks.custom-q"]),
     "compensate": st.just("catalogue.unpublish@1")})  # fmt: skip
 DEADLINES = st.integers(1, DAY_MS).flatmap(
     lambda run: st.fixed_dictionaries(

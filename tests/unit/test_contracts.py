@@ -378,8 +378,8 @@ def test_the_contract_default_queue_is_used_when_a_stage_names_none() -> None:
 
 
 def test_a_stage_queue_overrides_the_contract_default_queue() -> None:
-    plan = compile_yaml(WORKER_STAGE.format(queue="queue: gpu-renderers")).plan
-    assert plan["stages"]["render"]["queue"] == "gpu-renderers"
+    plan = compile_yaml(WORKER_STAGE.format(queue="queue: tasks.gpu-renderers")).plan
+    assert plan["stages"]["render"]["queue"] == "tasks.gpu-renderers"
     # the contract itself is unchanged in the plan
     assert plan["contracts"]["thumbnail.render@3"]["queue"] == "rendering"
 
@@ -387,7 +387,7 @@ def test_a_stage_queue_overrides_the_contract_default_queue() -> None:
 def test_queue_override_changes_the_digest() -> None:
     default = compile_yaml(WORKER_STAGE.format(queue=""))
     explicit_default = compile_yaml(WORKER_STAGE.format(queue="queue: rendering"))
-    other = compile_yaml(WORKER_STAGE.format(queue="queue: gpu-renderers"))
+    other = compile_yaml(WORKER_STAGE.format(queue="queue: tasks.gpu-renderers"))
     assert default.digest == explicit_default.digest  # defaults are filled in: same meaning, same digest
     assert default.digest != other.digest
 
