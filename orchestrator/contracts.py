@@ -19,6 +19,9 @@ from orchestrator.dsl.models import CONTRACT_REF_PATTERN, QUEUE_PATTERN
 from orchestrator.errors import ContractError, ContractLoadError, ContractNotFound
 
 CONTRACT_ATTRIBUTE = "__saga_contract__"
+#: Every contract one handler serves (several versions, or an adapter's): a tuple, the first one being
+#: ``CONTRACT_ATTRIBUTE``'s.
+CONTRACTS_ATTRIBUTE = "__saga_contracts__"
 ACTIONS_QUEUE = "tasks.actions"
 PARALLEL_QUEUE = "tasks.parallel"
 SERIAL_QUEUE = "tasks.serial"
@@ -72,14 +75,11 @@ class Registry:
 
     def __init__(self, contracts: Iterable[Contract] = ()) -> None:
         by_ref: dict[str, Contract] = {}
-        for contract in contracts:
-            existing = by_ref.get(contract.ref)
-            if existing is not None and existing != contract:
-                raise ContractError(
-                    f"contract {contract.ref} is declared twice with different schemas or queues; "
-                    "a published version is immutable: give the changed one a new version"
-                )
-            by_ref[contract.ref] = contract
+        for declared in contracts:
+            existing = by_ref.get(declared.ref)
+            if existing is not None and existing != declared:
+                declared = _same_contract(existing, declared)  # noqa: PLW2901 (the one kept)
+            by_ref[declared.ref] = declared
         self._by_ref = dict(sorted(by_ref.items()))
 
     def __contains__(self, ref: object) -> bool:
@@ -122,15 +122,38 @@ class Registry:
                 module = importlib.import_module(name)
             except Exception as exc:  # any import-time failure is the user's module, reported as such
                 raise ContractLoadError(name, f"{type(exc).__name__}: {exc}") from exc
-            declared = [
-                getattr(obj, CONTRACT_ATTRIBUTE)
-                for obj in vars(module).values()
-                if isinstance(getattr(obj, CONTRACT_ATTRIBUTE, None), Contract)
-            ]
+            declared = [contract for obj in vars(module).values() for contract in _declared_by(obj)]
             if not declared:
                 raise ContractLoadError(name, "it declares no @action or @worker handlers", imported=True)
             found.extend(declared)
         return cls(found)
+
+
+def _declared_by(obj: object) -> list[Contract]:
+    """The contracts a module attribute declares: every version a handler serves (an adapter's too)."""
+    many = getattr(obj, CONTRACTS_ATTRIBUTE, None)
+    if isinstance(many, tuple) and many and all(isinstance(c, Contract) for c in many):
+        return list(many)
+    one = getattr(obj, CONTRACT_ATTRIBUTE, None)
+    return [one] if isinstance(one, Contract) else []
+
+
+_MEANING = ("kind", "queue", "input_schema", "output_schema")
+
+
+def _same_contract(existing: Contract, other: Contract) -> Contract:
+    """One contract out of two declarations of its ref (a handler and an adapter of an older version,
+    two apps): refused unless they mean the same; a description one of them lacks is not a difference
+    (it is documentation, not part of a plan)."""
+    differs = [field for field in _MEANING if getattr(existing, field) != getattr(other, field)]
+    if not differs and None in (existing.description, other.description):
+        return existing if existing.description is not None else other
+    differs = differs or ["description"]
+    raise ContractError(
+        f"contract {other.ref} is declared twice with different schemas or queues (its "
+        f"{', '.join(differs)} {'differs' if len(differs) == 1 else 'differ'}); a published version is "
+        "immutable: give the changed one a new version, or make an adapter declare the old version's models"
+    )
 
 
 _ANNOTATIONS = frozenset({"title", "description", "examples"})
@@ -165,6 +188,7 @@ def split_ref(ref: str) -> tuple[str, int]:
 
 __all__ = [
     "ACTIONS_QUEUE",
+    "CONTRACTS_ATTRIBUTE",
     "CONTRACT_REF_PATTERN",
     "PARALLEL_QUEUE",
     "SERIAL_QUEUE",

@@ -20,13 +20,18 @@ cannot run it. At most ``concurrency`` handlers run at once, counted until a han
 (a cancelled thread-pool handler still holds its thread). Tasks of ``tasks.serial`` come on a channel of
 their own, one at a time per contract queue, and each waits for the serial lane (``serial_lane.py``)
 before its handler starts.
+
+Rolling upgrades: every version a handler serves (``also_serves``, or an adapter bridging an older
+version to it, ``workers/sdk.py``) is an entry of ``handlers`` of its own, so the process consumes the
+contract queue of each. Once it consumes them, it registers in the live worker registry
+(``orchestrator/store/worker_registry.py``) and renews its lease until it stops; it leaves the registry
+before it drains, and a Redis outage only delays its registration.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import itertools
 import logging
 import threading
@@ -47,11 +52,20 @@ from orchestrator.bus.names import SERIAL_TASKS, Names
 from orchestrator.bus.publisher import Publisher
 from orchestrator.bus.topology import TaskQueueLayout, declare_task_queue
 from orchestrator.engine import ids, sizes
+from orchestrator.store.worker_registry import Presence, WorkerInfo
 from workers.acks import AckCoalescer
 from workers.sdk import Handler, PermanentFailure
 from workers.serial_lane import Lease, SerialLane
 
 log = logging.getLogger(__name__)
+
+
+def worker_info(
+    handlers: dict[str, Handler], serving: list[tuple[str, str]], apps: tuple[str, ...] = ()
+) -> WorkerInfo:
+    """This process's entry in the live worker registry: what it serves, and through which adapters."""
+    adapters = {ref: h.adapts_to for ref, h in handlers.items() if h.adapts_to is not None}
+    return WorkerInfo.of_this_process(serving, adapters, apps)
 
 
 @dataclass(frozen=True)
@@ -96,6 +110,7 @@ class WorkerRuntime:
     quorum_group_size: int | None = None
     max_message_bytes: int = 1_048_576
     crash_points: frozenset[str] = frozenset()  # tests only: orchestrator/faults.py
+    presence: Presence | None = None  # the live worker registry entry, kept while consuming
     clock_ms: Callable[[], int] = field(default=lambda: int(time.time() * 1000))
     _stopping: asyncio.Event = field(default_factory=asyncio.Event)
     _inflight: set[asyncio.Task[None]] = field(default_factory=set)
@@ -139,9 +154,13 @@ class WorkerRuntime:
         log.info(
             "worker consuming %d contract queue(s) with concurrency %d", len(self.serving), self.concurrency
         )
+        if self.presence is not None:
+            self.presence.start()  # only now: a registered worker consumes every queue it lists
         try:
             await self._stopping.wait()
         finally:
+            if self.presence is not None:
+                await self.presence.stop()  # a draining worker takes no new task: it serves nothing now
             await self._drain(consumers, pool)
             await self._close(serial_channel)
             await self._close(channel)
@@ -571,8 +590,7 @@ def _start(
     """Start the handler; its result comes in the future returned. ``returned`` is called once the
     handler's code has stopped running: for a thread, when the thread is done with it, however long after
     a cancellation of the future that is (a thread cannot be stopped, only asked to)."""
-    wants_context = len(inspect.signature(handler.function).parameters) >= 2
-    args = (payload, context) if wants_context else (payload,)
+    args = (payload, context) if handler.wants_context else (payload,)
     loop = asyncio.get_running_loop()
     if handler.is_async:
         task: asyncio.Future[Any] = asyncio.ensure_future(handler.function(*args))
