@@ -6,16 +6,19 @@ decisions, so recorded histories replay in tests.
 
 What the engine decides for each event:
 
-* ``StartRun``: create the run (a start for an existing run is a duplicate); a context that fails the
-  definition's schema, or that makes a task too big to send, creates the run with a failed intent, so
-  the caller can see why.
+* ``StartRun``: create the run (a start for an existing run is a duplicate), pinning the versions stored
+  beside its plan and this engine's version; a context that fails the definition's schema, or that
+  makes a task too big to send, creates the run with a failed intent, so the caller can see why.
 * ``StageResult``: after an intent, late; for another fence, stale; for a settled stage, a duplicate;
   not the report of the task this run dispatched (its message id is derived from the task's), invalid;
   otherwise the result is accepted and the stage's route is entered (a map item is an arrival at the map's
-  barrier instead).
+  barrier instead). An accepted success whose result does not fit the output schema of the contract
+  version the plan pins fails the attempt for good instead (``outputs``), as the worker SDK reports its
+  own handler's breach; the schema errors are in history.
 * ``BarrierReleased``: once the barrier has counted every member, the join or map stage completes and
   its ``on_success`` route is entered.
-* ``FinaliserResult``: the outcome is recorded and the next finaliser dispatched, or the run finishes.
+* ``FinaliserResult`` (``CompensationResult``): the outcome is recorded and the next finaliser
+  (compensation) dispatched, or the run finishes; a success whose result breaks its contract is a failure.
 
 Every message a transition causes is measured (``sizes``): one that its reader would refuse as too
 large is never sent; the step that would send it fails instead, with the reason.
@@ -27,8 +30,8 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from orchestrator.engine import door, ids, liveness, nudge, redrive, sizes
-from orchestrator.engine.builder import dumps, rejected
+from orchestrator.engine import door, ids, liveness, nudge, outputs, redrive, sizes
+from orchestrator.engine.builder import dumps, rejected, stage_contract
 from orchestrator.engine.model import (
     ACTIVE_STAGE_STATUSES,
     FENCED_OFF,
@@ -57,6 +60,7 @@ from orchestrator.engine.model import (
     Verdict,
 )
 from orchestrator.engine.step import WORK_STAGE_TYPES, Step
+from orchestrator.versions import ENGINE_VERSION
 
 __all__ = ["advance"]
 
@@ -112,7 +116,10 @@ def _start(
         tenant=event.tenant,
         epoch="1",
         created_at=str(now_ms),
+        engine_version=ENGINE_VERSION,  # invariant 8: the run pins the engine that created it ...
     )
+    if event.versions:  # ... and the versions recorded beside its plan (not in the digest)
+        step.write(RUN, plan_versions=dumps(dict(event.versions)))
     step.record("run.started", definition=plan["name"], digest=digest)
     if plan.get("run_deadline_ms"):
         step.set_timer(Clock.RUN, "", ids.run_fence(1), plan["run_deadline_ms"])
@@ -159,7 +166,8 @@ def _stage_result(step: Step, event: StageResult) -> Decision:
             Verdict.DUPLICATE, f"the attempt is already {rec.status.value}", event.stage, event.attempt
         )
     step.guard(event.stage, rec)
-    if event.ok:
+    breach = _breach(step, stage_contract(stage), event.ok, event.result)
+    if event.ok and breach is None:
         step.set_stage(
             event.stage,
             StageRecord(
@@ -174,10 +182,25 @@ def _stage_result(step: Step, event: StageResult) -> Decision:
         step.clear_attempt_clocks(event.stage, rec.fence)
         step.enter(event.stage, stage["on_success"])
     else:
-        error = sizes.bounded(event.error or "the worker reported a failure without a message")
-        step.record("stage.failed", event.stage, rec.attempt, error=error, retryable=event.retryable)
-        step.fail_attempt(event.stage, stage, rec, error, retryable=event.retryable)
+        error = breach or sizes.bounded(event.error or "the worker reported a failure without a message")
+        retryable = event.retryable and breach is None
+        step.record(
+            "stage.failed", event.stage, rec.attempt, error=error, retryable=retryable, **_cause(breach)
+        )
+        step.fail_attempt(event.stage, stage, rec, error, retryable=retryable)
     return step.decision()
+
+
+def _breach(step: Step, ref: str, ok: bool, result: Any) -> str | None:
+    """Why a successful report's result breaks the output contract its plan pins for ``ref`` (None: it
+    fits, or the report is a failure). A breach fails the attempt for good, as the worker SDK reports
+    its own handler's breach: no retry mends a handler that breaks its contract."""
+    return outputs.output_problem(step.plan, ref, result) if ok else None
+
+
+def _cause(breach: str | None) -> dict[str, Any]:
+    """The history detail that tells a contract breach found here from a failure a worker reported."""
+    return {} if breach is None else {"reason": "contract"}
 
 
 def _unknown_report(step: Step, event: StageResult, stage: Mapping[str, Any]) -> Decision | None:
@@ -205,13 +228,14 @@ def _map_item(step: Step, stage: Mapping[str, Any], rec: StageRecord, event: Sta
         return rejected(Verdict.STALE, why, event.stage, event.attempt)
     item_key = Key("item", f"{event.stage}:{event.item}")
     step.expect(item_key, "attempt", None if current == 1 else str(current))
-    if not event.ok:
+    breach = _breach(step, stage_contract(stage), event.ok, event.result)
+    if not event.ok or breach is not None:
         step.guard(event.stage, rec)
         step.absent.append((Key("barrier", event.stage), str(event.item)))  # an item that arrived stays
-        reported = sizes.bounded(event.error or "the worker reported a failure without a message")
+        reported = breach or sizes.bounded(event.error or "the worker reported a failure without a message")
         error = f"item {event.item}: {reported}"
-        step.record("stage.failed", event.stage, current, item=event.item, error=reported)
-        if event.retryable and current < stage["retry"]["max_attempts"]:
+        step.record("stage.failed", event.stage, current, item=event.item, error=reported, **_cause(breach))
+        if event.retryable and breach is None and current < stage["retry"]["max_attempts"]:
             step.retry_item(event.stage, stage, rec, event.item, current)
         else:
             step.fail_attempt(event.stage, stage, rec, error, retryable=False)
@@ -275,13 +299,15 @@ def _compensation_result(step: Step, event: CompensationResult) -> Decision:
     step.expect(RUN, "compensation_index", str(run.compensation_index))
     step.expect(RUN, "status", run.status.value)
     rec = run.stages[event.stage]
-    if event.ok:
+    breach = _breach(step, step.plan["stages"][event.stage]["compensate"], event.ok, event.result)
+    if event.ok and breach is None:
         step.set_stage(event.stage, dataclasses.replace(rec, status=StageStatus.COMPENSATED))
         step.record("compensation.completed", label)
     else:
         # never silently skipped: the stage stays completed (its effect may remain) and the run says so
         step.write(RUN, compensation_failed="1")
-        step.record("compensation.failed", label, error=sizes.bounded(event.error or "no message"))
+        error = breach or sizes.bounded(event.error or "no message")
+        step.record("compensation.failed", label, error=error, **_cause(breach))
     if run.status is RunStatus.FAILED:
         # a poison message failed the run while this undo was in flight: its outcome is recorded (a
         # re-drive waits for it), and nothing else starts
@@ -325,11 +351,13 @@ def _finaliser_result(step: Step, event: FinaliserResult) -> Decision:
         return _not_a_report(event.message_id, task, name, None)
     step.expect(RUN, "finaliser_index", str(run.finaliser_index))
     step.expect(RUN, "status", RunStatus.FINALISING.value)
-    if event.ok:
+    breach = _breach(step, step.plan["finalisers"][event.index], event.ok, event.result)
+    if event.ok and breach is None:
         step.record("finaliser.completed", name)
     else:
         step.write(RUN, finaliser_failed="1")
-        step.record("finaliser.failed", name, error=sizes.bounded(event.error or "no message"))
+        error = breach or sizes.bounded(event.error or "no message")
+        step.record("finaliser.failed", name, error=error, **_cause(breach))
     step.start_finaliser(event.index + 1)
     return step.decision()
 

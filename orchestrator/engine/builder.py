@@ -38,6 +38,11 @@ def dumps(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"), sort_keys=True)
 
 
+def stage_contract(stage: Mapping[str, Any]) -> str:
+    """The contract version (``name@version``) a work stage calls."""
+    return str(stage.get("action") or stage["worker"])
+
+
 @dataclass
 class Builder:
     """One transition under construction."""
@@ -164,7 +169,7 @@ class Builder:
         return {"context": dict(self.run.context), "stages": stages, **extra}
 
     def bind_input(self, name: str, stage: Mapping[str, Any], **extra: Any) -> Any:
-        ref = stage.get("action") or stage["worker"]
+        ref = stage_contract(stage)
         schema = self.plan["contracts"][ref]["input_schema"]
         return bind(stage["input"], self.variables(**extra), schema, f"{name}.input")
 
@@ -175,7 +180,7 @@ class Builder:
         if item is None and clocks.needs_acceptance(stage):
             # the worker reports acceptance, and heartbeats at a third of the timeout
             report = {"accept": True, "heartbeat_ms": stage.get("heartbeat_timeout_ms")}
-        ref = stage.get("action") or stage["worker"]
+        ref = stage_contract(stage)
         id_part = ids.item_part(item, attempt)
         return self.task(
             name, ref, stage["queue"], attempt, fence, payload, item=item, id_parts=(id_part,), report=report

@@ -67,6 +67,8 @@ class StartRun:
     shard: str
     context: Mapping[str, Any]
     tenant: str = "default"
+    # the tool versions stored beside the plan the run pins (dsl, compiler, engine): kept in the run record
+    versions: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -171,6 +173,7 @@ class CompensationResult:
     ok: bool
     error: str | None = None
     digest: str = ""
+    result: Any = None  # checked against the compensation contract's output schema, then dropped
 
 
 @dataclass(frozen=True)

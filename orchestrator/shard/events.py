@@ -119,7 +119,7 @@ def _result(envelope: Envelope, body: ResultBody) -> Event | str:
             return f"a compensation's fence is '<epoch>.c<index>', not {fence!r}"
         name = stage.removeprefix(ids.COMPENSATION_PREFIX)
         return CompensationResult(
-            envelope.message_id, name, index, fence, body.ok, body.error, envelope.digest
+            envelope.message_id, name, index, fence, body.ok, body.error, envelope.digest, body.result
         )
     if stage.startswith(ids.FINALISER_PREFIX):
         position = ids.parse_finaliser_label(stage)

@@ -369,7 +369,7 @@ class Sim:
             index = int(str(body["fence"]).rpartition(".c")[2])
             name = stage.partition(":")[2]
             return CompensationResult(
-                message_id, name, index, str(body["fence"]), ok, error, str(body["digest"])
+                message_id, name, index, str(body["fence"]), ok, error, str(body["digest"]), value
             )
         if stage.startswith("finaliser:"):
             index = int(stage.partition(":")[2])
