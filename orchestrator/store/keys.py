@@ -40,6 +40,10 @@ class ShardKeys:
     def timers(self) -> str:
         return f"{self.tag}:timers"
 
+    def live(self) -> str:
+        """Plan digest -> this shard's runs of it not yet finished (kept by the transitions)."""
+        return f"{self.tag}:live"
+
     def transition_keys(self, run_id: str, barriers: list[str]) -> list[str]:
         """KEYS of every transition function, in the order helpers.lua documents."""
         fixed = [
@@ -49,6 +53,7 @@ class ShardKeys:
             self.outbox(),
             self.runs(),
             self.timers(),
+            self.live(),
         ]
         return fixed + [self.barrier(run_id, b) for b in barriers]
 
@@ -56,6 +61,12 @@ class ShardKeys:
 def index_key(prefix: str, run_id: str) -> str:
     """run id -> shard, claimed with SET NX before a run is created."""
     return f"{prefix}:index:{{{run_id}}}"
+
+
+def refused_key(prefix: str, run_id: str) -> str:
+    """Why the shard refused to create run ``run_id`` (a start of a plan no run may be created from),
+    kept for the run retention so that status and wait can say so. Tagged like the run-id index."""
+    return f"{prefix}:refused:{{{run_id}}}"
 
 
 def plan_key(prefix: str, digest: str) -> str:

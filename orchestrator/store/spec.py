@@ -25,7 +25,7 @@ from orchestrator.engine.model import (
     StageStatus,
 )
 
-FIRST_BARRIER_KEY = 7  # KEYS[7..] are barrier hashes (1-based, as Lua sees them)
+FIRST_BARRIER_KEY = 8  # KEYS[8..] are barrier hashes (1-based, as Lua sees them)
 
 
 def field_name(key: Key, name: str) -> str:
@@ -188,3 +188,15 @@ def ordered_items(members: Mapping[str, str]) -> list[Any]:
     """A map barrier's members (item index -> result JSON) as the list of results in item order."""
     pairs = sorted((int(k), v) for k, v in members.items())
     return [json.loads(v) if v else None for _, v in pairs]
+
+
+def pinned_versions(record: Mapping[str, str]) -> dict[str, Any]:
+    """What a run pinned at creation (invariant 8): ``plan``, the tool versions stored beside its plan
+    (DSL, compiler, engine it was compiled for), and ``engine``, the version of the engine that created
+    it. None for what a run created before versions were pinned does not record."""
+    raw = record.get("plan_versions")
+    try:
+        plan = json.loads(raw) if raw else None
+    except ValueError:
+        plan = None
+    return {"plan": plan if isinstance(plan, dict) else None, "engine": record.get("engine_version")}

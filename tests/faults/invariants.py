@@ -188,9 +188,30 @@ def check_runs(
         violations += [f"run {run.run_id}: {v}" for v in found]
     if effects and all_runs:
         violations += effect_violations(r, prefix, runs)
+    if all_runs:
+        violations += live_count_violations(r, prefix, runs)
     for key, entries in unsent(r, prefix).items():
         violations.append(f"{key}: {len(entries)} entries never published: {', '.join(entries[:5])}")
     return violations
+
+
+def live_count_violations(r: redis.Redis, prefix: str, runs: list[RunView]) -> list[str]:
+    """Each shard's count of unfinished runs per plan digest (what ``saga definitions list`` shows
+    draining) equals its runs that have not ended, given every run under ``prefix``."""
+    expected: dict[str, Counter[str]] = {}
+    for run in runs:
+        if run.shard is not None:
+            shard = expected.setdefault(run.shard, Counter())
+            if run.status not in TERMINAL and run.record.get("digest"):
+                shard[run.record["digest"]] += 1
+    found = []
+    for shard, want in sorted(expected.items()):
+        counted = Counter({d: int(n) for d, n in r.hgetall(ShardKeys(prefix, shard).live()).items()})
+        if counted != want:
+            found.append(
+                f"shard {shard}: unfinished runs counted {dict(counted)}, but {dict(want)} have not ended"
+            )
+    return found
 
 
 def run_violations(r: redis.Redis, prefix: str, run: RunView, expect_state: str | None) -> list[str]:

@@ -117,6 +117,12 @@ def test_a_correct_run_has_no_violations(run: Fabricated) -> None:
     assert invariants.pending(run.r, run.prefix, [run.run_id]) == []
 
 
+def test_a_run_counted_unfinished_after_it_ended(run: Fabricated) -> None:
+    run.write()
+    run.r.hincrby(run.keys.live(), run.digest, 1)
+    only(run.check(), f"shard {SHARD}: unfinished runs counted", "but {} have not ended")
+
+
 def test_a_join_released_twice(run: Fabricated) -> None:
     run.write([*HAPPY[:14], HAPPY[13], *HAPPY[14:]])
     only(run.check(), "join derive-join released 2 times")

@@ -8,7 +8,8 @@
 --   KEYS[4] shard outbox    (hash: message id -> payload, present while unsent)
 --   KEYS[5] shard run index (sorted set: run id by creation time, for listing runs)
 --   KEYS[6] shard timers    (sorted set: "<run>|<clock>|<stage>|<fence>" by due time in ms)
---   KEYS[7..] the run's barrier hashes (member -> value), named by index in the spec
+--   KEYS[7] shard live runs (hash: plan digest -> runs of it not yet finished)
+--   KEYS[8..] the run's barrier hashes (member -> value), named by index in the spec
 -- ARGV[1] is the transition spec, JSON (see orchestrator/store/redis_store.py, _spec).
 
 local APPLIED, DUPLICATE, CONFLICT, EXISTS, NO_RUN, TIMER_GONE = 0, 1, 2, 3, 4, 5
@@ -85,12 +86,34 @@ local function apply_timers(keys, spec)
   end
 end
 
+-- Keys shared by every run of the shard (outbox, run index, timers, live runs): never expired with a run.
+local function is_shard_key(i)
+  return i >= 4 and i <= 7
+end
+
+local function is_live(status)
+  return status ~= nil and status ~= false and status ~= 'completed' and status ~= 'failed'
+end
+
+-- A run counts in KEYS[7] under its plan digest from its creation until it ends, and again while a
+-- re-drive runs it. A count that would go below 1 is removed (runs that ended before the count existed
+-- cannot make it negative), so a definition version shows its runs draining to 0.
+local function count_live(keys, before)
+  local after = redis.call('HGET', keys[1], 'status')
+  local was, now = is_live(before), is_live(after)
+  if was == now then return end
+  local digest = redis.call('HGET', keys[1], 'digest')
+  if not digest then return end
+  local n = redis.call('HINCRBY', keys[7], digest, now and 1 or -1)
+  if n <= 0 then redis.call('HDEL', keys[7], digest) end
+end
+
 local function finish(keys, spec)
   if spec.expire_ms > 0 then
     -- the listing forgets runs whose records have expired
     redis.call('ZREMRANGEBYSCORE', keys[5], '-inf', '(' .. (spec.at - spec.expire_ms))
     for i = 1, #keys do
-      if i ~= 4 and i ~= 5 and i ~= 6 then redis.call('PEXPIRE', keys[i], spec.expire_ms) end
+      if not is_shard_key(i) then redis.call('PEXPIRE', keys[i], spec.expire_ms) end
     end
   end
 end
@@ -100,10 +123,12 @@ local function apply_all(keys, spec)
   if spec.persist then
     -- a re-driven run lives again: its keys lose the retention clock its end had started
     for i = 1, #keys do
-      if i ~= 4 and i ~= 5 and i ~= 6 then redis.call('PERSIST', keys[i]) end
+      if not is_shard_key(i) then redis.call('PERSIST', keys[i]) end
     end
   end
+  local before = redis.call('HGET', keys[1], 'status')
   apply_writes(keys, spec)
+  count_live(keys, before)
   if spec.remember then redis.call('SADD', keys[3], spec.mid) end
   apply_timers(keys, spec)
   append_outbox(keys[4], spec.outbox)

@@ -1,7 +1,8 @@
 -- saga_poison: a verified message's transition failed on every delivery (a bug or corrupt state, not
 -- bad input): mark the run it names failed, with the reason, so it does not wait forever. Deliberately
 -- independent of the engine and of the run's other fields, which may be what is broken.
--- KEYS: the common layout (helpers.lua); only KEYS[1] (run) and KEYS[2] (history) are touched.
+-- KEYS: the common layout (helpers.lua); only KEYS[1] (run), KEYS[2] (history) and
+-- KEYS[7] (live runs) are touched.
 -- ARGV[1]: {"at", "mid", "reason", "error"}.
 -- Returns {0 APPLIED} | {4 NO_RUN} | {1 DUPLICATE} (the run had already ended: nothing changed).
 local function saga_poison(keys, args)
@@ -19,6 +20,7 @@ local function saga_poison(keys, args)
     redis.call('HSET', keys[1], 'intent', 'failed')
   end
   redis.call('HSET', keys[1], 'status', 'failed', 'reason', spec.reason, 'finished_at', spec.at)
+  count_live(keys, status)
   append_history(keys[2], {{'run.failed', '', '', cjson.encode({reason = spec.reason})}}, spec.at)
   return {APPLIED, spec.mid}
 end
