@@ -10,6 +10,7 @@ one shape (``error: ...`` on stderr, or with ``--json`` an error document on std
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import sys
@@ -24,11 +25,13 @@ import pamqp.exceptions
 import pydantic
 
 from orchestrator import deadletters
+from orchestrator.allowlists import load_allowlist
 from orchestrator.bus.connect import connect_once, redacted
 from orchestrator.bus.topology import Topology, apply_topology, to_definitions, topology_for
 from orchestrator.cli_errors import SERVICE_ERRORS, CliError, CodedUsageError, SagaGroup
 from orchestrator.cli_options import registry_options
 from orchestrator.compiler import CompiledPlan, compile_text
+from orchestrator.compiler.allowlist import Allowlist, AllowlistError
 from orchestrator.compiler.mermaid import render_mermaid
 from orchestrator.contracts import Registry
 from orchestrator.errors import ContractError, ContractLoadError, DefinitionError, Problem, SagaError
@@ -60,6 +63,15 @@ class Env:
                 raise CodedUsageError("registry_unreadable", str(exc)) from exc
         return self._registry
 
+    @functools.cached_property
+    def allowlist(self) -> Allowlist | None:
+        """The allowlist of SAGA_ALLOWLIST_FILE, read once; one that cannot be used is a configuration
+        error (exit 2), not a problem of the definition."""
+        try:
+            return load_allowlist(self.settings.allowlist_file)
+        except AllowlistError as exc:
+            raise CodedUsageError(exc.code, str(exc), exc.ids) from exc
+
     def compile(self, path: str) -> CompiledPlan:
         try:
             data = Path(path).read_bytes()
@@ -67,7 +79,7 @@ class Env:
             raise DefinitionError(
                 [Problem(path, 1, "definition", f"cannot read file: {exc.strerror}")]
             ) from exc
-        return compile_text(data, path, self.registry, self.settings.admission_limits())
+        return compile_text(data, path, self.registry, self.settings.admission_limits(), self.allowlist)
 
 
 def _env(modules: tuple[str, ...], registry_file: str | None) -> Env:
@@ -184,10 +196,40 @@ def contracts() -> None:
 
 @contracts.command(name="list")
 @click.option("--json", "as_json", is_flag=True, help="Print the contracts as JSON.")
+@click.option(
+    "--live",
+    is_flag=True,
+    help="Also read Redis: per contract version, the live workers serving it (and through which adapter) "
+    "and the unfinished runs pinned to it. Versions only workers or runs know are listed too.",
+)
 @registry_options
-def contracts_list(as_json: bool, modules: tuple[str, ...], registry_file: str | None) -> None:
-    """List every registered contract with its kind and default queue."""
-    registry = _env(modules, registry_file).registry
+def contracts_list(as_json: bool, live: bool, modules: tuple[str, ...], registry_file: str | None) -> None:
+    """List every registered contract with its kind and default queue; with --live, what serves each
+    version now and which runs wait on it (a version with pinned runs and no live worker: its tasks wait
+    for one)."""
+    env = _env(modules, registry_file)
+    registry = env.registry
+    if live:
+        from orchestrator import views
+        from orchestrator.settings import redis_client
+        from orchestrator.store import worker_registry
+
+        async def read() -> list[dict[str, Any]]:
+            shards = (await shardmap_store.current_map(env.settings, seed=False)).known
+            client = redis_client(env.settings)
+            try:
+                prefix, known = env.settings.key_prefix, registry.contracts()
+                return await worker_registry.read_contract_rows(client, prefix, shards, known)
+            finally:
+                await client.aclose()
+
+        rows = asyncio.run(read())
+        if as_json:
+            _emit_json(rows)
+        else:
+            for line in views.live_contract_lines(rows):
+                click.echo(line)
+        return
     if as_json:
         _emit_json([{"ref": c.ref, "kind": c.kind.value, "queue": c.queue} for c in registry.contracts()])
         return
@@ -570,11 +612,12 @@ def dead_letters_purge(
 
 def _register_runtime_commands() -> None:
     # after main exists: cli_runtime (and cli_observe, through it) import from here
+    from orchestrator.cli_definitions import definitions
     from orchestrator.cli_observe import COMMANDS as OBSERVE_COMMANDS
     from orchestrator.cli_runtime import COMMANDS
     from orchestrator.cli_shards import shards
 
-    for command in [*COMMANDS, *OBSERVE_COMMANDS, shards]:
+    for command in [*COMMANDS, *OBSERVE_COMMANDS, definitions, shards]:
         main.add_command(command)
 
 

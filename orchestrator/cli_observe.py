@@ -12,10 +12,11 @@ import click
 
 from orchestrator import observe, views
 from orchestrator.cli_runtime import _emit, _run, _settings
-from orchestrator.client import WaitTimeout, status_document
-from orchestrator.engine.model import RunStatus
+from orchestrator.client import REFUSED, WaitTimeout
+from orchestrator.engine.model import RunStatus, StageStatus
 from orchestrator.settings import Settings, redis_client
-from orchestrator.store.redis_store import RedisStore
+from orchestrator.store import worker_registry
+from orchestrator.store.redis_store import PlanNotFound, RedisStore
 
 #: ``saga wait`` / ``saga watch``: the run was still going when the timeout passed (it goes on).
 EXIT_STILL_RUNNING = 3
@@ -35,21 +36,26 @@ _json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON.
     "as_json",
     is_flag=True,
     help="Print JSON: the run, 'stages' by name (state, attempt, result or error, a map's 'items', a "
-    "join's 'arrived', a decision's 'branch' and 'next', 'waiting' with its reason) and 'order', every "
-    "stage of the plan in plan order.",
+    "join's 'arrived', a decision's 'branch' and 'next', 'waiting' with its reason, a dispatched stage's "
+    "'live_workers' serving its contract version) and 'order', every stage of the plan in plan order.",
 )
 def status(run_id: str, inputs: bool, as_json: bool) -> None:
     """Show a run: its state and reason, then every stage of its pinned plan in plan order with its
     state, attempt and result (a map's items done/total, a join's arrived branches, a decision's route).
-    A dispatched stage says why it waits when that is known: no worker consumes its queue, or another
-    task holds the serial lane. Exit 1 if the run is not known."""
+    A dispatched stage says why it waits when that is known: no live worker serves its pinned contract
+    version, no worker consumes its queue, or another task holds the serial lane. Exit 1 if the run is
+    not known."""
     settings = _settings()
 
     async def go() -> tuple[dict[str, Any], str | None]:
         client = redis_client(settings)
+        store = RedisStore(client, settings.key_prefix)
         try:
             async with observe.BrokerProbe(settings.amqp_url) as probe:
-                view = await observe.status_view(client, settings, run_id, inputs=inputs, probe=probe)
+                view = await observe.status_view(
+                    client, settings, run_id, inputs=inputs, probe=probe, store=store
+                )
+                view = await _with_live_workers(client, settings, view, store, probe.error is None)
                 return view, probe.error
         finally:
             await client.aclose()
@@ -65,6 +71,24 @@ def status(run_id: str, inputs: bool, as_json: bool) -> None:
         click.echo(line)
 
 
+async def _with_live_workers(
+    client: Any, settings: Settings, view: dict[str, Any], store: RedisStore, broker_known: bool
+) -> dict[str, Any]:
+    """The view with the live workers serving each dispatched stage's pinned contract version, and which
+    version a stage waits for when none serves it (``orchestrator/store/worker_registry.py``)."""
+    if not any(s["state"] == StageStatus.DISPATCHED for s in view["stages"].values()):
+        return view
+    try:
+        plan = await store.plan(str(view["digest"]))
+        workers = await worker_registry.live_workers(client, settings.key_prefix)
+    except PlanNotFound:
+        return view
+    serving = worker_registry.serving_index(workers)
+    summaries = {ref: [w.summary(ref) for w in found] for ref, found in serving.items()}
+    queue = settings.names().task_queue
+    return views.with_live_workers(view, plan, summaries, queue, broker_known=broker_known)
+
+
 def _finished(
     document: dict[str, Any] | None, run_id: str, timeout_s: float | None, *, quiet: bool = False
 ) -> int:
@@ -73,13 +97,14 @@ def _finished(
     state = document["state"] if document else "pending"
     if state == RunStatus.COMPLETED:
         return 0
-    if state == RunStatus.FAILED:
-        why = f"run {run_id} failed: {(document or {}).get('reason') or 'no reason recorded'}"
+    ended = state in (RunStatus.FAILED, REFUSED)
+    if ended:
+        why = f"run {run_id} {state}: {(document or {}).get('reason') or 'no reason recorded'}"
     else:
         why = str(WaitTimeout(run_id, state, timeout_s or 0.0))
     if not quiet:
         click.echo(why, err=True)
-    return 1 if state == RunStatus.FAILED else EXIT_STILL_RUNNING
+    return 1 if ended else EXIT_STILL_RUNNING
 
 
 @click.command()
@@ -109,7 +134,7 @@ def wait(run_id: str, timeout_s: float, as_json: bool) -> None:
         try:
 
             async def read() -> dict[str, Any]:
-                return status_document(await observe.read_record(client, settings.key_prefix, run_id))
+                return await observe.run_document(client, settings.key_prefix, run_id)
 
             return await observe.follow(read, run_id, timeout_s=timeout_s, interval_s=0.1)
         finally:
@@ -131,7 +156,7 @@ def wait(run_id: str, timeout_s: float, as_json: bool) -> None:
     elif code == 0:
         click.echo(f"run {run_id} completed: output = {views.compact((document or {}).get('output'))}")
     elif code == 1:
-        click.echo(f"run {run_id} failed")
+        click.echo(f"run {run_id} {state}")
     sys.exit(code)
 
 
@@ -180,7 +205,8 @@ async def _watch(
         async with observe.BrokerProbe(settings.amqp_url) as probe:
 
             async def read() -> dict[str, Any]:
-                return await observe.status_view(client, settings, run_id, probe=probe, store=store)
+                view = await observe.status_view(client, settings, run_id, probe=probe, store=store)
+                return await _with_live_workers(client, settings, view, store, probe.error is None)
 
             return await observe.follow(read, run_id, timeout_s=timeout_s, interval_s=interval_s, show=show)
     finally:

@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import getpass
 import importlib
 import json
 import logging
 import signal
-import socket
 import sys
 import time
 from typing import TYPE_CHECKING, Any
@@ -24,11 +22,9 @@ from orchestrator.bus.connect import connect_robust, untracked_channel
 from orchestrator.bus.envelope import Signer
 from orchestrator.bus.publisher import Publisher
 from orchestrator.cli_errors import SERVICE_ERRORS, CliError, CodedUsageError, unreachable
-from orchestrator.cli_options import registry_options
 from orchestrator.client import Client, RedriveRefused
 from orchestrator.durability import DurabilityRefused, Role, check_startup
 from orchestrator.observe import RunFilter, list_runs
-from orchestrator.provision import publish_plans
 from orchestrator.reconcile import Reconciler, Report
 from orchestrator.settings import Settings, redis_client
 from orchestrator.shard.processor import Processor
@@ -228,7 +224,8 @@ def _where(handler: Handler) -> str:
 def worker(apps: tuple[str, ...], queues: tuple[str, ...], concurrency: int, verbose: bool) -> None:
     """Consume the queues of the apps' contracts and run their handlers."""
     from orchestrator.bus.topology import serving_queues
-    from workers.runtime import MissingTopology, WorkerRuntime
+    from orchestrator.store.worker_registry import Presence
+    from workers.runtime import MissingTopology, WorkerRuntime, worker_info
     from workers.serial_lane import SerialLane, lane_client, lane_key
 
     logging.basicConfig(
@@ -246,6 +243,7 @@ def worker(apps: tuple[str, ...], queues: tuple[str, ...], concurrency: int, ver
 
     async def make() -> tuple[WorkerRuntime, Any]:
         connection = await connect_robust(settings.amqp_url, heartbeat_s=settings.amqp_heartbeat_s)
+        registry_redis = redis_client(settings)  # the live worker registry (best effort)
         serial = any(queue == names.SERIAL_TASKS for queue, _ in serving)
         lane_redis = (
             lane_client(settings.redis_url, settings.serial_lease_ms, settings.redis_timeout_s)
@@ -266,54 +264,27 @@ def worker(apps: tuple[str, ...], queues: tuple[str, ...], concurrency: int, ver
             quorum_group_size=settings.quorum_group_size,
             max_message_bytes=settings.max_message_bytes,
             crash_points=frozenset(settings.crash_points),
+            presence=Presence(registry_redis, settings.key_prefix, worker_info(handlers, serving, apps)),
         )
 
         async def cleanup() -> None:
             await connection.close()
+            await registry_redis.aclose()
             if lane_redis is not None:
                 await lane_redis.aclose()
 
         return runtime, cleanup
 
-    served = ", ".join(sorted({ref for _, ref in serving}))
+    served = ", ".join(
+        ref + (f" (adapter to {handlers[ref].adapts_to})" if handlers[ref].adapts_to else "")
+        for ref in sorted({ref for _, ref in serving})
+    )
     on = ", ".join(sorted({queue for queue, _ in serving}))
     click.echo(f"worker {', '.join(apps)} serving {served} on {on}", err=True)
     try:
         _serve(make)
     except MissingTopology as exc:
         raise _MissingTopology(str(exc)) from None
-
-
-@click.group()
-def definitions() -> None:
-    """Publish definitions for new runs."""
-
-
-@definitions.command(name="publish")
-@click.argument("files", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
-@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-@registry_options
-def definitions_publish(
-    files: tuple[str, ...], as_json: bool, modules: tuple[str, ...], registry_file: str | None
-) -> None:
-    """Compile every FILE (against --contracts modules, like 'saga validate'), then store each plan by
-    digest in Redis and make it the version new runs of its definition use. An invalid definition exits 1
-    with its problems, and then nothing is published."""
-    from orchestrator.cli import Env  # after main exists: cli imports this module
-
-    settings = _settings()
-    env = Env(settings, modules, registry_file)
-    plans = [(path, env.compile(path)) for path in files]  # a DefinitionError is shown by the saga group
-    _run(publish_plans(settings, [plan for _, plan in plans]))
-    published = [
-        {"file": path, "definition": plan.name, "version": plan.version, "digest": plan.digest}
-        for path, plan in plans
-    ]
-    if as_json:
-        _emit(published)
-    else:
-        for p in published:
-            click.echo(f"{p['definition']} {p['version']} {p['digest']} is active for new runs")
 
 
 @click.command()
@@ -335,14 +306,28 @@ def definitions_publish(
     type=float,
     help="Wait for the run to finish (optionally: at most this many seconds).",
 )
+@click.option(
+    "--version",
+    "version",
+    default=None,
+    metavar="V",
+    help="Start this version (any approved, not retired one) instead of the active one.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def start(
-    definition: str, context_json: str, idempotency_key: str | None, wait_s: float | None, as_json: bool
+    definition: str,
+    context_json: str,
+    idempotency_key: str | None,
+    wait_s: float | None,
+    version: str | None,
+    as_json: bool,
 ) -> None:
-    """Start a run of DEFINITION's active version and print its id (with --wait, its end). Checked
-    before anything is sent, exit 1 with every problem: a DEFINITION that is not published (with the
-    closest published name), a context its schema refuses, a start too large to send, an
-    --idempotency-key already used with another context. With --wait, exit 1 if the run failed."""
+    """Start a run of DEFINITION and print its id (with --wait, its end): of its active version (or of
+    its canary, for the canary's share of run ids), or of --version. Checked before anything is sent,
+    exit 1 with every problem: a DEFINITION that is not published (with the closest published name), a
+    version no run may start from (with those that may), a context its schema refuses, a start too
+    large to send, an --idempotency-key already used with another context. With --wait, exit 1 if the
+    run failed or its start was refused by the shard."""
     try:
         context = json.loads(context_json)
     except json.JSONDecodeError as exc:
@@ -353,7 +338,7 @@ def start(
 
     async def go() -> dict[str, Any]:
         async with Client(settings) as client:
-            run_id = await client.start(definition, context, idempotency_key)
+            run_id = await client.start(definition, context, idempotency_key, version)
             if wait_s is None:
                 return {"run_id": run_id, "state": "pending"}
             result = await client.wait(run_id, timeout_s=wait_s)
@@ -382,7 +367,7 @@ def cancel(run_id: str, reason: str, wait_s: float | None, as_json: bool) -> Non
     --wait, once the run has ended); exit 1, nothing sent, for a run that has ended or is already
     ending (the error says its state)."""
     settings = _settings()
-    requested_by = f"{getpass.getuser()}@{socket.gethostname()}"
+    requested_by = settings.actor
 
     async def go() -> dict[str, Any]:
         async with Client(settings) as client:
@@ -441,7 +426,7 @@ def redrive(
     if bulk and state != "failed":
         raise click.UsageError(f"only failed runs can be re-driven, not {state!r}")
     settings = _settings()
-    requested_by = f"{getpass.getuser()}@{socket.gethostname()}"
+    requested_by = settings.actor
 
     async def go() -> list[dict[str, Any]]:
         async with Client(settings) as client:
@@ -584,4 +569,4 @@ def _run(coro: Any) -> Any:
 
 
 # the read-only run commands (status, wait, watch, history, runs) are cli_observe's
-COMMANDS = [orchestrator, worker, definitions, start, cancel, redrive, reconcile]
+COMMANDS = [orchestrator, worker, start, cancel, redrive, reconcile]

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import difflib
 import hashlib
 import json
 import time
@@ -30,17 +29,12 @@ from orchestrator.bus.publisher import PUBLISH_ATTEMPTS, Publisher
 from orchestrator.engine.door import start_problems
 from orchestrator.engine.model import TERMINAL_RUN_STATUSES, RunSnapshot, RunStatus
 from orchestrator.errors import SagaError
+from orchestrator.governance.lifecycle import DefinitionNotFound, DefinitionState, choose
+from orchestrator.governance.store import definition_key, names_key, parse_state
 from orchestrator.settings import Settings, redis_client
 from orchestrator.store import shardmap_store
 from orchestrator.store.connect import REDIS_ERRORS, sync_client
-from orchestrator.store.keys import (
-    ShardKeys,
-    active_key,
-    active_pattern,
-    definition_of_active_key,
-    index_key,
-    plan_key,
-)
+from orchestrator.store.keys import ShardKeys, index_key, plan_key, refused_key
 from orchestrator.store.keys import idempotency_key as claim_key
 from orchestrator.store.spec import snapshot_from_record
 
@@ -127,23 +121,6 @@ class WaitTimeout(SagaError):
         super().__init__(
             f"run {run_id} is still {state} after {timeout_s:g} s; it goes on: 'saga wait {run_id}' waits "
             f"again, 'saga status {run_id}' shows what it waits for"
-        )
-
-
-class DefinitionNotFound(SagaError):
-    """Raised when a start names a definition that has no active version; ``did_you_mean`` is the
-    published name closest to it, if one is close."""
-
-    code = "definition_not_found"
-    id_fields = ("definition", "did_you_mean")
-
-    def __init__(self, definition: str, published: Iterable[str] = ()) -> None:
-        self.definition = definition
-        close = difflib.get_close_matches(definition, sorted(published), n=1)
-        self.did_you_mean = close[0] if close else None
-        hint = f" (did you mean {self.did_you_mean!r}?)" if self.did_you_mean else ""
-        super().__init__(
-            f"definition {definition!r} is not published{hint}; run 'saga definitions publish FILE'"
         )
 
 
@@ -310,6 +287,32 @@ def status_document(record: Mapping[str, str]) -> dict[str, Any]:
     }
 
 
+#: The state of a run id whose start the shard refused (no run was created): final, like a failure.
+REFUSED = "refused"
+
+
+def refused_document(run_id: str, record: Mapping[str, str]) -> dict[str, Any]:
+    """``saga status --json`` of a run id whose start the shard refused: the same keys, no run."""
+    return {
+        "run_id": run_id,
+        "state": REFUSED,
+        "intent": None,
+        "reason": record.get("reason"),
+        "definition": record.get("definition"),
+        "version": record.get("version"),
+        "digest": record.get("digest"),
+        "shard": None,
+        "output": None,
+        "created_at": None,
+        "finished_at": int(record["at"]) if "at" in record else None,
+        "stages": {},
+    }
+
+
+def is_final(state: str) -> bool:
+    return state == REFUSED or RunStatus(state) in TERMINAL_RUN_STATUSES
+
+
 def _text(mapping: Mapping[Any, Any]) -> dict[str, str]:
     return {
         (k.decode() if isinstance(k, bytes) else str(k)): (v.decode() if isinstance(v, bytes) else str(v))
@@ -328,43 +331,55 @@ class ActivePlan:
     digest: str
     shard_class: str
     plan: Mapping[str, Any] = field(default_factory=dict, compare=False)
+    version: str = ""
 
 
 class ActivePlans:
-    """A short-lived cache of definition -> active plan. It saves two Redis reads per start, and lets
-    a service keep starting runs while Redis is briefly unreachable (the start message waits in the
+    """A short-lived cache of definition -> its versions and routing (which version is active, the
+    canary), and a lasting one of plans by digest (immutable). It saves two Redis reads per start, and
+    lets a service keep starting runs while Redis is briefly unreachable (the start message waits in the
     broker; the shard needs Redis only to create the run). An activation reaches new starts within
     ``ttl_s``."""
 
     def __init__(self, ttl_s: float = ACTIVE_PLAN_TTL_S) -> None:
         self.ttl_s = ttl_s
-        self._entries: dict[str, tuple[float, ActivePlan]] = {}
+        self._entries: dict[str, tuple[float, DefinitionState]] = {}
+        self.plans: dict[str, ActivePlan] = {}
 
-    def fresh(self, definition: str, now: float) -> ActivePlan | None:
+    def fresh(self, definition: str, now: float) -> DefinitionState | None:
         entry = self._entries.get(definition)
         return entry[1] if entry and now - entry[0] < self.ttl_s else None
 
-    def last_known(self, definition: str) -> ActivePlan | None:
+    def last_known(self, definition: str) -> DefinitionState | None:
         entry = self._entries.get(definition)
         return entry[1] if entry else None
 
-    def put(self, definition: str, plan: ActivePlan, now: float) -> ActivePlan:
-        self._entries[definition] = (now, plan)
-        return plan
+    def put(self, definition: str, state: DefinitionState, now: float) -> DefinitionState:
+        self._entries[definition] = (now, state)
+        return state
+
+
+def state_from(definition: str, raw: Any, names: Iterable[str] = ()) -> DefinitionState:
+    """The definition's stored state, or DefinitionNotFound (``names``: the published definitions, for a
+    suggestion) when no version of it was ever published."""
+    state = parse_state(definition, raw)
+    if not state.versions:
+        raise DefinitionNotFound(definition, names)
+    return state
 
 
 def active_plan_from(
-    definition: str, digest: Any, raw_plan: Any, published: Iterable[str] = ()
+    definition: str, digest: Any, raw_plan: Any, published: Iterable[str] = (), version: str = ""
 ) -> ActivePlan:
-    """Interpret the two Redis reads (active digest, stored plan) or say what to do; ``published`` (the
-    definitions that have an active version) is read only when ``digest`` is None, for a suggestion."""
+    """Interpret the two Redis reads (the chosen version's digest, its stored plan) or say what to do;
+    ``published`` (the published definitions) is read only when ``digest`` is None, for a suggestion."""
     if digest is None:
         raise DefinitionNotFound(definition, published)
     text = digest.decode() if isinstance(digest, bytes) else str(digest)
     if raw_plan is None:
         raise ActivePlanMissing(definition, text)
     plan = json.loads(raw_plan)["plan"]
-    return ActivePlan(text, str(plan["class"]), plan)
+    return ActivePlan(text, str(plan["class"]), plan, version)
 
 
 def checked_start(
@@ -424,9 +439,9 @@ def check_claim(envelope: Envelope, key: str, claimed: Any) -> None:
 UNCLAIM = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
 
 
-def published_names(prefix: str, keys: Iterable[Any]) -> list[str]:
-    """The definitions with an active version, from the keys :func:`active_pattern` matched."""
-    return sorted(definition_of_active_key(prefix, k.decode() if isinstance(k, bytes) else k) for k in keys)
+def published_names(names: Iterable[Any]) -> list[str]:
+    """The published definitions, from the members of their names set."""
+    return sorted(n.decode() if isinstance(n, bytes) else str(n) for n in names)
 
 
 class Client:
@@ -461,31 +476,41 @@ class Client:
             await self._connection.close()
         await self.redis.aclose()
 
-    async def _plan_of(self, definition: str) -> ActivePlan:
-        now = time.monotonic()
-        cached = self._plans.fresh(definition, now)
+    async def _plan_of(self, definition: str, run_id: str, version: str | None = None) -> ActivePlan:
+        """The plan a new run ``run_id`` of ``definition`` uses (``version``, or the active version or
+        the canary by run id). Raises NotStartable for a version no run may be created from."""
+        prefix = self.settings.key_prefix
+        state = self._plans.fresh(definition, time.monotonic())
+        if state is None:
+            try:
+                raw = await self.redis.get(definition_key(prefix, definition))
+            except REDIS_ERRORS as exc:
+                state = self._plans.last_known(definition)
+                if state is None:
+                    raise unreachable_without_cache(definition, exc) from exc
+            else:
+                if raw is None:
+                    raise DefinitionNotFound(definition, await self._published())
+                state = self._plans.put(definition, state_from(definition, raw), time.monotonic())
+        record = choose(state, run_id, version)
+        cached = self._plans.plans.get(record.digest)
         if cached is not None:
             return cached
         try:
-            digest = await self.redis.get(active_key(self.settings.key_prefix, definition))
-            raw = await self.redis.get(plan_key(self.settings.key_prefix, digest)) if digest else None
+            body = await self.redis.get(plan_key(prefix, record.digest))
         except REDIS_ERRORS as exc:
-            last = self._plans.last_known(definition)
-            if last is None:
-                raise unreachable_without_cache(definition, exc) from exc
-            return last
-        if digest is None:
-            raise DefinitionNotFound(definition, await self._published())
-        return self._plans.put(definition, active_plan_from(definition, digest, raw), now)
+            raise unreachable_without_cache(definition, exc) from exc
+        plan = active_plan_from(definition, record.digest, body, version=record.version)
+        self._plans.plans[record.digest] = plan
+        return plan
 
     async def _published(self) -> list[str]:
-        """The definitions with an active version (for a suggestion: none if Redis fails now)."""
-        prefix = self.settings.key_prefix
+        """The published definitions (for a suggestion: none if Redis fails now)."""
         try:
-            keys = [k async for k in self.redis.scan_iter(match=active_pattern(prefix), count=1000)]
+            names = await self.redis.smembers(names_key(self.settings.key_prefix))  # type: ignore[misc]
+            return published_names(names)
         except REDIS_ERRORS:
             return []
-        return published_names(prefix, keys)
 
     async def _claim(self, envelope: Envelope, key: str | None) -> tuple[str, str] | None:
         """Claim an idempotency key with the context's digest before the start is sent (SET NX GET, with
@@ -509,14 +534,20 @@ class Client:
                 await self.redis.eval(UNCLAIM, 1, *claim)  # type: ignore[misc]
 
     async def start(
-        self, definition: str, context: Mapping[str, Any], idempotency_key: str | None = None
+        self,
+        definition: str,
+        context: Mapping[str, Any],
+        idempotency_key: str | None = None,
+        version: str | None = None,
     ) -> str:
-        """Start a run of the active version of ``definition``; returns its run id at once. Raises
-        StartRefused, before sending anything, for a context the definition refuses or a start too
-        large to be sent, DefinitionNotFound for a definition without an active version, and
+        """Start a run of ``definition``: of ``version`` (any approved, not retired one) or, without it,
+        of the active version (or the canary, for the canary's share of run ids); returns its run id at
+        once. Raises, before sending anything: StartRefused for a context the definition refuses or a
+        start too large to be sent, DefinitionNotFound for a definition never published, NotStartable
+        for a version no run may be created from (the message lists those that may), and
         IdempotencyConflict when ``idempotency_key`` already started a run with another context."""
-        plan = await self._plan_of(definition)
         run_id = run_id_for(definition, idempotency_key)
+        plan = await self._plan_of(definition, run_id, version)
         envelope = checked_start(self.signer, self.settings, plan, definition, run_id, context)
         claim = await self._claim(envelope, idempotency_key)
         try:
@@ -614,6 +645,9 @@ class Client:
         RunNotFound for an id nobody claimed."""
         shard = await self.redis.get(index_key(self.settings.key_prefix, run_id))
         if shard is None:
+            refused = await self.redis.hgetall(refused_key(self.settings.key_prefix, run_id))  # type: ignore[misc]
+            if refused:
+                return refused_document(run_id, _text(refused))
             raise RunNotFound(run_id)
         key = ShardKeys(self.settings.key_prefix, str(shard)).run(run_id)
         record = await self.redis.hgetall(key)  # type: ignore[misc]
@@ -630,7 +664,7 @@ class Client:
                 document = None  # not created yet: the start is still in flight
             if document is not None:
                 state = document["state"]
-                if RunStatus(state) in TERMINAL_RUN_STATUSES:
+                if is_final(state):
                     return RunResult(run_id, state, document["output"], document["reason"])
             await asyncio.sleep(poll_s)
             poll_s = min(poll_s * 1.2, 0.1)
@@ -685,10 +719,16 @@ class SyncClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def start(self, definition: str, context: Mapping[str, Any], idempotency_key: str | None = None) -> str:
+    def start(
+        self,
+        definition: str,
+        context: Mapping[str, Any],
+        idempotency_key: str | None = None,
+        version: str | None = None,
+    ) -> str:
         """As :meth:`Client.start`, blocking."""
-        plan = self._plan_of(definition)
         run_id = run_id_for(definition, idempotency_key)
+        plan = self._plan_of(definition, run_id, version)
         envelope = checked_start(self.signer, self.settings, plan, definition, run_id, context)
         claim = self._claim(envelope, idempotency_key)
         try:
@@ -713,30 +753,43 @@ class SyncClient:
         check_claim(envelope, key, held)
         return (name, digest) if held is None else None
 
-    def _plan_of(self, definition: str) -> ActivePlan:
-        now = time.monotonic()
-        cached = self._plans.fresh(definition, now)
+    def _plan_of(self, definition: str, run_id: str, version: str | None = None) -> ActivePlan:
+        """As :meth:`Client._plan_of`, blocking."""
+        prefix = self.settings.key_prefix
+        state = self._plans.fresh(definition, time.monotonic())
+        if state is None:
+            try:
+                raw = self.redis.get(definition_key(prefix, definition))
+            except REDIS_ERRORS as exc:
+                state = self._plans.last_known(definition)
+                if state is None:
+                    raise unreachable_without_cache(definition, exc) from exc
+            else:
+                if raw is None:
+                    try:
+                        names = published_names(self.redis.smembers(names_key(prefix)))  # type: ignore[arg-type]
+                    except REDIS_ERRORS:
+                        names = []
+                    raise DefinitionNotFound(definition, names)
+                state = self._plans.put(definition, state_from(definition, raw), time.monotonic())
+        record = choose(state, run_id, version)
+        cached = self._plans.plans.get(record.digest)
         if cached is not None:
             return cached
         try:
-            digest = self.redis.get(active_key(self.settings.key_prefix, definition))
-            raw = self.redis.get(plan_key(self.settings.key_prefix, str(digest))) if digest else None
+            body = self.redis.get(plan_key(prefix, record.digest))
         except REDIS_ERRORS as exc:
-            last = self._plans.last_known(definition)
-            if last is None:
-                raise unreachable_without_cache(definition, exc) from exc
-            return last
-        if digest is None:
-            try:
-                prefix = self.settings.key_prefix
-                published = published_names(prefix, self.redis.scan_iter(match=active_pattern(prefix)))
-            except REDIS_ERRORS:
-                published = []
-            raise DefinitionNotFound(definition, published)
-        return self._plans.put(definition, active_plan_from(definition, digest, raw), now)
+            raise unreachable_without_cache(definition, exc) from exc
+        plan = active_plan_from(definition, record.digest, body, version=record.version)
+        self._plans.plans[record.digest] = plan
+        return plan
 
     def status(self, run_id: str) -> dict[str, Any]:
         shard = self.redis.get(index_key(self.settings.key_prefix, run_id))
+        if shard is None:
+            refused = self.redis.hgetall(refused_key(self.settings.key_prefix, run_id))
+            if refused:
+                return refused_document(run_id, _text(refused))  # type: ignore[arg-type]
         record = (
             self.redis.hgetall(ShardKeys(self.settings.key_prefix, str(shard)).run(run_id)) if shard else {}
         )
@@ -751,7 +804,7 @@ class SyncClient:
             try:
                 document = self.status(run_id)
                 state = document["state"]
-                if RunStatus(state) in TERMINAL_RUN_STATUSES:
+                if is_final(state):
                     return RunResult(run_id, state, document["output"], document["reason"])
             except RunNotFound:
                 pass

@@ -20,12 +20,12 @@ import redis.asyncio as aioredis
 from orchestrator import views
 from orchestrator.bus.connect import connect_once
 from orchestrator.bus.names import SERIAL_TASKS
-from orchestrator.client import RunNotFound, status_document
-from orchestrator.engine.model import TERMINAL_RUN_STATUSES, RunStatus, StageStatus
+from orchestrator.client import RunNotFound, is_final, refused_document, status_document
+from orchestrator.engine.model import StageStatus
 from orchestrator.settings import Settings, redis_client
 from orchestrator.shardmap import ShardMap
 from orchestrator.store import shardmap_store
-from orchestrator.store.keys import ShardKeys
+from orchestrator.store.keys import ShardKeys, refused_key
 from orchestrator.store.redis_store import PlanNotFound, RedisStore
 from workers.serial_lane import holder_of, lane_key
 
@@ -94,6 +94,16 @@ async def read_record(client: aioredis.Redis, prefix: str, run_id: str) -> dict[
     return record
 
 
+async def run_document(client: aioredis.Redis, prefix: str, run_id: str) -> dict[str, Any]:
+    """``client.status_document`` of a run, or of a run id whose start the shard refused (state
+    ``refused``, with the reason); raises RunNotFound."""
+    if await RedisStore(client, prefix).owner(run_id) is None:
+        refused = await client.hgetall(refused_key(prefix, run_id))  # type: ignore[misc]
+        if refused:
+            return refused_document(run_id, refused)
+    return status_document(await read_record(client, prefix, run_id))
+
+
 async def status_view(
     client: aioredis.Redis,
     settings: Settings,
@@ -105,6 +115,8 @@ async def status_view(
 ) -> dict[str, Any]:
     """The ``saga status --json`` document: ``client.status_document`` with the plan order and each
     stage's result, progress and (with ``probe``) why a dispatched stage waits."""
+    if await RedisStore(client, settings.key_prefix).owner(run_id) is None:
+        return {**await run_document(client, settings.key_prefix, run_id), "order": []}
     record = await read_record(client, settings.key_prefix, run_id)
     document = status_document(record)
     store = store or RedisStore(client, settings.key_prefix)
@@ -179,7 +191,7 @@ async def follow(
                 raise
         if show is not None:
             show(document, elapsed)
-        if document is not None and RunStatus(document["state"]) in TERMINAL_RUN_STATUSES:
+        if document is not None and is_final(document["state"]):
             return document
         if timeout_s is not None and elapsed >= timeout_s:
             return document

@@ -1,8 +1,8 @@
 """Provisioning: what a fresh environment needs before runs can start.
 
-Declare the broker topology, then compile definitions and publish their plans (each becomes the version
-new runs of its definition use). The CLI, the demo, the integration tests and the benchmark all do it
-through these functions.
+Declare the broker topology, then compile definitions and publish their plans (each approved and made
+the version new runs of its definition use, where separate approval is off). The CLI, the demo, the
+integration tests and the benchmark all do it through these functions.
 """
 
 from __future__ import annotations
@@ -10,13 +10,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 from pathlib import Path
 
+from orchestrator.allowlists import load_allowlist
 from orchestrator.bus.connect import connect_once
 from orchestrator.bus.topology import Topology, apply_topology, topology_for
 from orchestrator.compiler import CompiledPlan, compile_text
 from orchestrator.contracts import Registry
+from orchestrator.governance import service as governance
 from orchestrator.settings import Settings
-from orchestrator.store.connect import async_client
-from orchestrator.store.redis_store import RedisStore
 from orchestrator.store.shardmap_store import current_map
 
 
@@ -32,20 +32,19 @@ async def declare_topology(settings: Settings, registry: Registry) -> Topology:
 
 
 def compile_files(paths: Iterable[Path], registry: Registry, settings: Settings) -> list[CompiledPlan]:
-    """Compile every file; raises DefinitionError (with every problem) at the first invalid one."""
-    return [compile_text(p.read_bytes(), str(p), registry, settings.admission_limits()) for p in paths]
+    """Compile every file against the allowlist of SAGA_ALLOWLIST_FILE (read once); raises DefinitionError
+    (with every problem) at the first invalid one, AllowlistError for an allowlist that cannot be used."""
+    allowlist = load_allowlist(settings.allowlist_file)
+    limits = settings.admission_limits()
+    return [compile_text(p.read_bytes(), str(p), registry, limits, allowlist) for p in paths]
 
 
-async def publish_plans(settings: Settings, plans: Iterable[CompiledPlan]) -> None:
-    """Store each plan by digest (immutable) and make it the active version of its definition."""
-    client = async_client(settings.redis_url)
-    try:
-        store = RedisStore(client, settings.key_prefix)
-        for plan in plans:
-            await store.save_plan(plan.digest, plan.plan, plan.versions)
-            await store.activate(plan.name, plan.digest)
-    finally:
-        await client.aclose()
+async def publish_plans(
+    settings: Settings, plans: Iterable[CompiledPlan], reason: str = "provisioned"
+) -> None:
+    """Publish, approve and activate each plan in one change (``saga definitions publish --activate``):
+    for environments without separate approval (development, the demo, tests, the benchmark)."""
+    await governance.publish(settings, list(plans), settings.actor, reason, activate=True)
 
 
 async def provision(settings: Settings, registry: Registry, paths: Iterable[Path]) -> list[CompiledPlan]:

@@ -26,6 +26,17 @@ def _split(value: object) -> object:
     return tuple(p.strip() for p in value.split(",") if p.strip()) if isinstance(value, str) else value
 
 
+def _default_actor() -> str:
+    import getpass
+    import socket
+
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):  # no name for this uid (a bare container)
+        user = "unknown"
+    return f"{user}@{socket.gethostname()}"
+
+
 class Settings(BaseSettings):
     """Every knob, with the ``SAGA_`` prefix: ``SAGA_MAX_FORK_BRANCHES=64``, ``SAGA_CONTRACTS=a.b,c.d``."""
 
@@ -101,6 +112,24 @@ class Settings(BaseSettings):
         "lost Redis); renewed every third of it while a serial handler runs",
     )
     retention_ms: int = Field(7 * 86_400_000, ge=1000, description="how long finished runs are kept")
+    # ---- governance -------------------------------------------------------------------------------
+    actor: str = Field(
+        default_factory=_default_actor,
+        min_length=1,
+        max_length=200,
+        description="who the definition lifecycle commands act as, in every audit record; default: the "
+        "operating-system user at this host",
+    )
+    require_separate_approver: bool | None = Field(
+        None,
+        description="refuse an approval by the actor who published the version (and 'publish "
+        "--activate'); unset: on in production mode, off in development",
+    )
+    allowlist_file: str | None = Field(
+        None,
+        description="YAML file of per-namespace allowlists: a definition-name prefix -> the contracts and "
+        "queues its definitions may use, checked at compile time",
+    )
     crash_points: Annotated[tuple[str, ...], NoDecode] = Field(
         (), description="fault injection for tests only: kill -9 this process at these named points"
     )
@@ -142,6 +171,13 @@ class Settings(BaseSettings):
         if not self.key_prefix:
             self.key_prefix = self.namespace
         return self
+
+    @property
+    def separate_approver_required(self) -> bool:
+        """Whether an approval must come from someone other than the publisher."""
+        if self.require_separate_approver is None:
+            return self.mode == "production"
+        return self.require_separate_approver
 
     def names(self) -> Names:
         """The broker names of this environment."""

@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
 from orchestrator.dsl.binding import bind
+from orchestrator.engine.clocks import needs_acceptance
 from orchestrator.engine.model import RunSnapshot, StageStatus
 from orchestrator.errors import BindingError
-from orchestrator.store.spec import snapshot_from_record
+from orchestrator.store.spec import pinned_versions, snapshot_from_record
 
 RESULT_WIDTH = 72
 REASON_WIDTH = 60
@@ -142,7 +143,13 @@ def enrich(
         if inputs and spec.get("type") in WORK_TYPES:
             stage.update(_input_of(name, spec, snapshot, plan))
         stages[name] = stage
-    return {**document, "order": plan_order(plan), "stages": stages}
+    return {**document, "order": plan_order(plan), "stages": stages, "versions": run_versions(record, plan)}
+
+
+def run_versions(record: Mapping[str, str], plan: Mapping[str, Any]) -> dict[str, Any]:
+    """What the run pinned at creation: the tool versions stored beside its plan (``plan``), the engine
+    that created it (``engine``) and, read off the pinned plan, its contract versions (``contracts``)."""
+    return {**pinned_versions(record), "contracts": sorted(plan.get("contracts", {}))}
 
 
 def _progress(
@@ -284,7 +291,7 @@ def stage_detail(stage: Mapping[str, Any], width: int = RESULT_WIDTH) -> str:
         parts.append("error: " + stage["error"])
     elif "result" in stage:
         parts.append(compact(stage["result"], width))
-    return truncate("  ".join(parts), width + 40) if parts else ""
+    return truncate("  ".join(parts), width + 100) if parts else ""  # room for a waiting reason
 
 
 def status_lines(document: Mapping[str, Any], *, inputs: bool = False) -> list[str]:
@@ -386,3 +393,100 @@ def runs_lines(rows: list[Mapping[str, Any]]) -> list[str]:
         "  ".join(cell.ljust(widths[i]) for i, cell in enumerate(line)).rstrip()
         for line in [RUN_COLUMNS, *cells]
     ]
+
+
+# ---- the live worker registry (rolling upgrades) ------------------------------------------------------
+
+
+def with_live_workers(
+    view: Mapping[str, Any],
+    plan: Mapping[str, Any],
+    serving: Mapping[str, Sequence[Mapping[str, Any]]],
+    broker_queue: Callable[[str, str], str],
+    *,
+    broker_known: bool = True,
+) -> dict[str, Any]:
+    """The status document with, on each dispatched work stage, the live workers that serve its pinned
+    contract version (``live_workers``; ``serving`` maps a contract ref to them), and its ``waiting``
+    reason saying so: a ``no-worker`` one (nobody consumes its queue) says whether any live worker is
+    registered for the version; without one, the stage waits for a version no live worker serves
+    (``no-live-worker``, said only when the broker could not tell: a consumer it counted serves it) or,
+    for a stage whose worker reports acceptance, for one of the live workers to take it
+    (``not-accepted``). ``broker_queue(task queue, ref)`` names the contract queue."""
+    stages: dict[str, Any] = {}
+    for name, stage in view["stages"].items():
+        spec = plan["stages"].get(name, {})
+        if stage["state"] != StageStatus.DISPATCHED or spec.get("type") not in WORK_TYPES:
+            stages[name] = stage
+            continue
+        ref = str(spec.get("action") or spec.get("worker"))
+        workers = [dict(w) for w in serving.get(ref, [])]
+        queue = broker_queue(str(spec.get("queue")), ref)
+        waiting = _live_wait(stage.get("waiting"), ref, queue, workers, needs_acceptance(spec), broker_known)
+        stages[name] = {**stage, "live_workers": workers, **({"waiting": waiting} if waiting else {})}
+    return {**view, "stages": stages}
+
+
+def _live_wait(
+    waiting: Mapping[str, Any] | None,
+    ref: str,
+    queue: str,
+    workers: list[dict[str, Any]],
+    accepts: bool,
+    broker_known: bool,
+) -> dict[str, Any] | None:
+    if waiting is not None:
+        if waiting.get("reason") != "no-worker":
+            return dict(waiting)
+        live = f"{_workers(len(workers))} registered for it: {_who(workers)}" if workers else ""
+        return {**waiting, "message": f"{waiting['message']}; {live or 'no live worker serves it'}"}
+    if not workers and not broker_known:
+        message = f"waiting for a worker of {ref} (no live worker serves it)"
+        return {"reason": "no-live-worker", "queue": queue, "contract": ref, "message": message}
+    if workers and accepts:
+        serve = "serves" if len(workers) == 1 else "serve"
+        message = f"waiting for a worker of {ref} to take it ({_workers(len(workers))} {serve} it)"
+        return {"reason": "not-accepted", "queue": queue, "contract": ref, "message": message}
+    return None
+
+
+def _workers(n: int) -> str:
+    return f"{n} live worker" if n == 1 else f"{n} live workers"
+
+
+def _who(workers: Sequence[Mapping[str, Any]]) -> str:
+    """``host:pid`` of each worker, ``(adapter to x@4)`` after one serving through an adapter."""
+    return ", ".join(
+        f"{w.get('host', '?')}:{w.get('pid', '?')}"
+        + (f" (adapter to {w['adapter_to']})" if w.get("adapter_to") else "")
+        for w in workers
+    )
+
+
+CONTRACT_COLUMNS = ("CONTRACT", "KIND", "QUEUE", "RUNS", "LIVE WORKERS")
+
+
+def live_contract_lines(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """``saga contracts list --live`` as a table: each contract version, its kind and queue, the unfinished
+    runs pinned to it and the live workers serving it, then one line per plan that pins it."""
+    cells = []
+    for row in rows:
+        workers = row["workers"]
+        if workers:
+            served = _who(workers)
+        else:
+            served = "none: its runs wait for a worker" if row["pinned_runs"] else "none"
+        kind, queue = str(row.get("kind") or "?"), str(row.get("queue") or "?")
+        cells.append((row["ref"], kind, queue, str(row["pinned_runs"]), served))
+    widths = [max([len(c[i]) for c in cells] + [len(CONTRACT_COLUMNS[i])]) for i in range(4)]
+    lines = []
+    for row, line in zip([{}, *rows], [CONTRACT_COLUMNS, *cells], strict=True):
+        padded = [cell.ljust(widths[i]) for i, cell in enumerate(line[:4])]
+        lines.append("  ".join([*padded, line[4]]).rstrip())
+        for pinned in row.get("plans", []):
+            if pinned["runs"]:
+                lines.append(
+                    f"    pinned by {pinned['definition']} {pinned['version']} ({pinned['digest'][:19]}…): "
+                    f"{pinned['runs']} unfinished run{'s' if pinned['runs'] != 1 else ''}"
+                )
+    return lines

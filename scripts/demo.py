@@ -1,9 +1,10 @@
 """The main job: run model-ingest end to end on RabbitMQ and Redis, with a live stage table.
 
-`make demo` runs it. It validates and publishes the definitions, declares the broker topology, starts an
-orchestrator and a worker pool as real processes, starts one model-ingest run (the demo workers are slowed
-down a little so you can watch), shows each stage as it moves, then prints the run's output and history.
-Every step is also a `saga` command you can run by hand; they are listed at the end.
+`make demo` runs it. It empties its own environment (namespace `demo`: what an earlier demo left in its
+queues and Redis keys), validates, publishes and activates the definitions, declares the broker
+topology, starts an orchestrator and a worker pool as real processes, starts one model-ingest run (the
+demo workers are slowed down a little so you can watch), shows each stage as it moves, then prints the
+run's output and history. Every step is also a `saga` command you can run by hand; they are listed at the end.
 
 Settings come from SAGA_* variables (defaults: RabbitMQ and Redis on 127.0.0.1, namespace `demo`).
 """
@@ -22,6 +23,7 @@ from typing import Any
 import redis
 
 from orchestrator.bus.connect import connect_once
+from orchestrator.bus.topology import topology_for
 from orchestrator.client import Client
 from orchestrator.contracts import Registry
 from orchestrator.observe import status_view
@@ -29,6 +31,7 @@ from orchestrator.provision import provision
 from orchestrator.settings import Settings
 from orchestrator.store.connect import sync_client
 from orchestrator.store.redis_store import RedisStore
+from orchestrator.store.shardmap_store import current_map
 from orchestrator.views import LiveTable
 from workers.demo.effects import DemoWorld
 
@@ -65,7 +68,34 @@ def check_services(settings: Settings) -> None:
         )
 
 
+def fresh_environment(settings: Settings, registry: Registry) -> None:
+    """The demo's namespace starts empty every time: the queues and Redis keys an earlier demo left are
+    deleted, so a changed demo definition or contract never meets a version published before with
+    another digest, nor messages of runs that no longer exist."""
+
+    async def delete_queues() -> None:
+        shard_map = await current_map(settings, seed=False)
+        connection = await connect_once(settings.amqp_url)
+        try:
+            channel = await connection.channel()
+            for queue in topology_for(settings, registry, shard_map).queues:
+                await channel.queue_delete(queue.name)  # RabbitMQ: deleting a missing queue is no error
+        finally:
+            await connection.close()
+
+    asyncio.run(delete_queues())
+    client = sync_client(settings.redis_url)
+    try:
+        keys = list(client.scan_iter(match=f"{settings.key_prefix}:*", count=1000))
+        for i in range(0, len(keys), 500):
+            client.delete(*keys[i : i + 500])
+    finally:
+        client.close()
+
+
 def prepare(settings: Settings, registry: Registry) -> None:
+    print(f"▸ a fresh '{settings.namespace}' environment: what an earlier demo left there is deleted")
+    fresh_environment(settings, registry)
     print("▸ validating and publishing definitions/*.yaml, declaring the broker topology")
     plans = asyncio.run(provision(settings, registry, sorted((ROOT / "definitions").glob("*.yaml"))))
     for plan in plans:

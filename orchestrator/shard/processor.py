@@ -28,6 +28,8 @@ from orchestrator.engine.model import (
     Verdict,
 )
 from orchestrator.engine.sizes import DEFAULT_LIMITS, Limits
+from orchestrator.governance.lifecycle import NotStartable, State, choose
+from orchestrator.governance.store import DefinitionStore, DigestInfo
 from orchestrator.shard.events import start_body, to_event
 from orchestrator.store.redis_store import APPLIED, CONFLICT, NO_RUN, PlanNotFound, RedisStore
 
@@ -56,6 +58,7 @@ class Processor:
         self.store = store
         self.clock_ms = clock_ms
         self.limits = limits
+        self.definitions = DefinitionStore(store.client, store.prefix)
 
     async def handle_batch(self, shard: str, envelopes: list[Envelope]) -> list[Outcome]:
         """Handle a batch with few round trips: runs advance in rounds (a run's own messages stay in
@@ -112,14 +115,23 @@ class Processor:
     ) -> list[tuple[int, Event, dict[str, Any] | None, str | None]]:
         """Starts that name their plan, claimed for this shard in one pipeline; others take the careful
         path (which resolves the active version, or refuses with the reason)."""
-        candidates = []
+        named: list[tuple[int, str, dict[str, Any]]] = []
         for i in starts:
             body = start_body(envelopes[i])
             if isinstance(body, str) or not body.digest:
                 outcomes[i] = await self.handle(shard, envelopes[i])
+            else:
+                named.append((i, body.digest, body.context))
+        # only approved, not retired versions start runs: one read for the batch
+        infos = await self.definitions.digest_info([digest for _, digest, _ in named])
+        candidates = []
+        for (i, digest, context), info in zip(named, infos, strict=True):
+            refusal = await self._refusal(envelopes[i], digest, info)
+            if refusal is not None:
+                outcomes[i] = refusal
                 continue
             try:
-                candidates.append((i, await self.store.plan(body.digest), body.digest, body.context))
+                candidates.append((i, await self.store.plan(digest), digest, context))
             except PlanNotFound as exc:
                 outcomes[i] = Outcome(rejected=("unknown-definition", str(exc)))
         owners = await self.store.claim_many([envelopes[i].run_id for i, *_ in candidates], shard)
@@ -129,7 +141,8 @@ class Processor:
             if owner != shard:
                 outcomes[i] = Outcome(forward_to=owner)
                 continue
-            event = StartRun(envelope.message_id, envelope.run_id, shard, context, envelope.tenant)
+            versions = await self.store.plan_versions(digest)
+            event = StartRun(envelope.message_id, envelope.run_id, shard, context, envelope.tenant, versions)
             claimed.append((i, event, plan, digest))
         return claimed
 
@@ -173,15 +186,61 @@ class Processor:
             return Outcome(rejected=("malformed", body))
         context = body.context
         try:
-            digest = body.digest or await self.store.active_digest(body.definition)
+            digest = body.digest or await self._chosen_digest(shard, body.definition, envelope.run_id)
+        except (PlanNotFound, NotStartable) as exc:
+            owner = await self.store.owner(envelope.run_id)
+            if owner is not None and owner != shard:
+                return Outcome(forward_to=owner)  # a start re-sent for a run of another shard
+            refused = await self._refuse(envelope, "", None, str(exc))
+            return refused or Outcome(rejected=("unknown-definition", str(exc)))
+        (info,) = await self.definitions.digest_info([digest])
+        refusal = await self._refusal(envelope, digest, info)
+        if refusal is not None:
+            return refusal
+        try:
             plan = await self.store.plan(digest)
         except PlanNotFound as exc:
             return Outcome(rejected=("unknown-definition", str(exc)))
         owner = await self.store.claim(envelope.run_id, shard)
         if owner != shard:
             return Outcome(forward_to=owner)
-        event = StartRun(envelope.message_id, envelope.run_id, shard, context, envelope.tenant)
+        versions = await self.store.plan_versions(digest)
+        event = StartRun(envelope.message_id, envelope.run_id, shard, context, envelope.tenant, versions)
         return await self._decide(shard, envelope.run_id, event, plan, digest, None)
+
+    async def _chosen_digest(self, shard: str, definition: str, run_id: str) -> str:
+        """A start that names no plan gets the version a client would have chosen for its run id; one
+        re-sent for a run of this shard, the run's own (a duplicate)."""
+        snapshot = await self.store.snapshot(shard, run_id)
+        if snapshot is not None:
+            return snapshot.digest
+        state = await self.definitions.load(definition)
+        if not state.versions:
+            raise PlanNotFound(f"definition {definition!r}")
+        return choose(state, run_id).digest
+
+    async def _refusal(self, envelope: Envelope, digest: str, info: DigestInfo | None) -> Outcome | None:
+        """Refuse a start of a plan no run may be created from (never published, not approved, or
+        retired). None when the start may go on: its version may start runs, or the run already exists
+        (a start re-sent for a run created while its version was startable is a duplicate)."""
+        if info is not None and info.startable:
+            return None
+        if info is None:
+            why = f"plan {digest} is not a published definition version"
+        else:
+            what = "not approved yet" if info.state is State.PUBLISHED else "retired: no new runs"
+            why = f"{info.definition} {info.version} ({digest}) is {what}"
+        return await self._refuse(envelope, digest, info, why)
+
+    async def _refuse(
+        self, envelope: Envelope, digest: str, info: DigestInfo | None, why: str
+    ) -> Outcome | None:
+        """The run is not created; the refusal is kept where status and wait find it (None: the run
+        exists already, so this start is a duplicate and goes the usual way)."""
+        if await self.store.owner(envelope.run_id) is not None:
+            return None
+        await self.store.record_refusal(envelope.run_id, digest, info, why, self.clock_ms())
+        return Outcome(rejected=("version-not-startable", f"run {envelope.run_id} not created: {why}"))
 
     async def _continue(self, shard: str, envelope: Envelope) -> Outcome:
         event = to_event(envelope)

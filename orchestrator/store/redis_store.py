@@ -14,7 +14,7 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from importlib import resources
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
@@ -23,7 +23,10 @@ from orchestrator.engine import clocks
 from orchestrator.engine.model import Decision, RunSnapshot
 from orchestrator.errors import SagaError
 from orchestrator.store.connect import load_function_library
-from orchestrator.store.keys import ShardKeys, active_key, index_key, plan_key
+from orchestrator.store.keys import ShardKeys, index_key, plan_key, refused_key
+
+if TYPE_CHECKING:
+    from orchestrator.governance.store import DigestInfo
 from orchestrator.store.spec import (
     Spec,
     barrier_stages,
@@ -88,6 +91,7 @@ class RedisStore:
     prefix: str = "saga"
     retention_ms: int = 7 * 86_400_000
     _plans: dict[str, dict[str, Any]] = field(default_factory=dict)
+    _plan_versions: dict[str, dict[str, str]] = field(default_factory=dict)
 
     def keys(self, shard: str) -> ShardKeys:
         return ShardKeys(self.prefix, shard)
@@ -319,14 +323,32 @@ class RedisStore:
         self._plans[digest] = plan  # plans are immutable: cache by digest for the process's life
         return plan
 
-    async def activate(self, definition: str, digest: str) -> None:
-        await self.client.set(active_key(self.prefix, definition), digest)
+    async def plan_versions(self, digest: str) -> dict[str, str]:
+        """The tool versions (DSL, compiler, engine) stored beside plan ``digest``, which a run of it pins
+        at creation. Immutable like the plan: cached by digest for the process's life."""
+        cached = self._plan_versions.get(digest)
+        if cached is not None:
+            return cached
+        raw = await self.client.get(plan_key(self.prefix, digest))
+        if raw is None:
+            raise PlanNotFound(digest)
+        stored = json.loads(raw).get("versions") or {}
+        versions = {str(k): str(v) for k, v in stored.items()}
+        self._plan_versions[digest] = versions
+        return versions
 
-    async def active_digest(self, definition: str) -> str:
-        digest = await self.client.get(active_key(self.prefix, definition))
-        if digest is None:
-            raise PlanNotFound(f"definition {definition!r}")
-        return _str(digest)
+    async def record_refusal(
+        self, run_id: str, digest: str, info: DigestInfo | None, why: str, now_ms: int
+    ) -> None:
+        """Why the start of ``run_id`` created no run, for status and wait (kept for the retention)."""
+        key = refused_key(self.prefix, run_id)
+        fields = {"reason": why, "digest": digest, "at": now_ms}
+        if info is not None:
+            fields |= {"definition": info.definition, "version": info.version}
+        async with self.client.pipeline(transaction=True) as pipe:
+            pipe.hset(key, mapping=fields)
+            pipe.pexpire(key, self.retention_ms)
+            await pipe.execute()
 
 
 def _str(value: Any) -> str:

@@ -26,15 +26,26 @@ import aio_pika
 
 from orchestrator.bus.connect import connect_once
 from orchestrator.bus.envelope import Envelope, Signer, encode
+from orchestrator.compiler import CompiledPlan
 from orchestrator.contracts import Registry
+from orchestrator.governance.service import publish_verb
+from orchestrator.governance.store import DefinitionStore, definition_key, parse_state
 from orchestrator.provision import provision
 from orchestrator.settings import Settings
 from orchestrator.store.connect import sync_client
 from orchestrator.store.keys import ShardKeys, index_key
+from orchestrator.store.redis_store import RedisStore
 from workers.demo.effects import DemoWorld
 
 ROOT = Path(__file__).resolve().parents[2]
 REGISTRY = Registry.from_modules(["workers.demo"])
+
+
+async def publish_active(store: RedisStore, plan: CompiledPlan) -> None:
+    """Publish, approve and activate ``plan`` on ``store``'s Redis and prefix (a processor under test
+    creates runs only from approved versions)."""
+    definitions = DefinitionStore(store.client, store.prefix)
+    await definitions.change(plan.name, publish_verb(plan, activate=True), "tests", "under test", plan)
 
 
 def rabbitmqctl(*args: str, node: str | None = None) -> str:
@@ -184,6 +195,11 @@ class Stack:
         return path.read_text(errors="replace") if path.exists() else ""
 
     # ---- inspection --------------------------------------------------------------------------------
+
+    def active_digest(self, definition: str) -> str | None:
+        """The digest of the version new runs of ``definition`` use (None: no active version)."""
+        state = parse_state(definition, self.redis.get(definition_key(self.prefix, definition)))
+        return state.versions[state.active].digest if state.active else None
 
     def shard_of(self, run_id: str) -> str | None:
         return self.redis.get(index_key(self.prefix, run_id))  # type: ignore[return-value]

@@ -24,7 +24,6 @@ from orchestrator.bus.envelope import encode, signed_message
 from orchestrator.bus.names import Names
 from orchestrator.client import StartRefused, SyncClient, run_id_for, start_envelope
 from orchestrator.engine import ids
-from orchestrator.store.keys import active_key
 from tests.faults import invariants
 from tests.integration.stack import Stack, poll, running
 from workers.demo.effects import demo_key
@@ -59,7 +58,7 @@ def no_poison_anywhere(stack: Stack, run_id: str) -> None:
 
 def raw_start(stack: Stack, run_id: str, definition: str, context: dict[str, Any]) -> bytes:
     """The wire bytes of a signed start that skips the client's checks, as another client might send."""
-    digest = stack.redis.get(active_key(stack.prefix, definition)) or ""
+    digest = stack.active_digest(definition) or ""
     return encode(start_envelope(stack.signer, run_id, definition, str(digest), context))
 
 

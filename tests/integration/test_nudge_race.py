@@ -21,6 +21,7 @@ from orchestrator.shard.processor import Processor
 from orchestrator.store.redis_store import ApplyResult, RedisStore
 from tests.conftest import compile_yaml
 from tests.faults import invariants
+from tests.integration.stack import publish_active
 from tests.unit.engine_sim import handler_output
 
 pytestmark = pytest.mark.services
@@ -77,7 +78,7 @@ def test_a_nudge_retried_after_a_conflict_still_re_sends_only_the_missing_items(
         run_id = f"race-{uuid.uuid4().hex[:8]}"
         try:
             await store.load_library()
-            await store.save_plan(plan.digest, plan.plan, plan.versions)
+            await publish_active(store, plan)
             start = start_envelope(SIGNER, run_id, "split-bag", plan.digest, {"modelIds": ["a", "b", "c"]})
             await processor.handle_batch(SHARD, [start])
             tasks = {

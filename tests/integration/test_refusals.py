@@ -21,7 +21,7 @@ import pytest
 
 from orchestrator.bus.names import Names, parse_shards
 from orchestrator.client import IdempotencyConflict, SyncClient, context_digest, run_id_for
-from orchestrator.store.keys import active_key, idempotency_key
+from orchestrator.store.keys import idempotency_key
 from tests.integration.stack import Stack, running
 from workers.demo.effects import demo_key
 
@@ -314,7 +314,7 @@ def test_definitions_publish_compiles_against_a_users_own_contracts_module(
     assert done.returncode == 0, done.stderr
     (published,) = json.loads(done.stdout)
     assert published["definition"] == "own-flow"
-    assert idle.redis.get(active_key(idle.prefix, "own-flow")) == published["digest"]
+    assert published["state"] == "published" and idle.active_digest("own-flow") is None
     # A module that cannot be imported says what would make it importable
     done = idle.saga("definitions", "publish", "--contracts", "own_contracts", str(flow))
     assert done.returncode == 2
@@ -391,4 +391,5 @@ def test_publish_with_one_invalid_file_publishes_none(idle: Stack) -> None:
     done = idle.saga("definitions", "publish", valid, "docs/examples/broken-model-ingest.yaml", *contracts)
     # Then it exits 1 with the problems, and the valid one did not become active either
     assert done.returncode == 1 and "broken-model-ingest.yaml" in done.stderr, done.stderr
-    assert idle.redis.get(active_key(idle.prefix, "probe-chain")) is None
+    assert idle.active_digest("probe-chain") is None
+    assert idle.saga("definitions", "list", "probe-chain").returncode == 1  # not even published

@@ -39,6 +39,7 @@ from orchestrator.shard.processor import Outcome, Processor
 from orchestrator.store.redis_store import RedisStore
 from orchestrator.store.spec import barrier_stages
 from tests.integration.garbage import Target, describe, garbage, is_legitimate, sign
+from tests.integration.stack import publish_active
 from tests.unit.engine_sim import handler_output
 from tests.unit.redrive_cases import compiled
 
@@ -101,7 +102,7 @@ def live(request: pytest.FixtureRequest) -> Iterator[Live]:
     state = Live(loop, client, store, processor, target, plan.plan, scenario)
     try:
         state.run(store.load_library())
-        state.run(store.save_plan(plan.digest, plan.plan, plan.versions))
+        state.run(publish_active(store, plan))
         start = start_envelope(SIGNER, target.run_id, name, plan.digest, scenario.context)
         state.run(processor.handle_batch(SHARD, [start]))
         state.run(work(state, scenario.hold))

@@ -1,0 +1,107 @@
+"""What changed between two compiled plans, by stage. Pure."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+#: Plan fields that are not stages and that a reviewer reads as part of the definition's meaning.
+_TOP = (
+    "entry",
+    "class",
+    "context",
+    "output",
+    "finalisers",
+    "terminals",
+    "terminal_policy",
+    "run_deadline_ms",
+)
+
+
+@dataclass(frozen=True)
+class FieldChange:
+    path: str
+    before: Any
+    after: Any
+
+    def to_json(self) -> dict[str, Any]:
+        return {"path": self.path, "before": self.before, "after": self.after}
+
+
+@dataclass(frozen=True)
+class PlanDiff:
+    added: list[str] = field(default_factory=list)
+    removed: list[str] = field(default_factory=list)
+    changed: dict[str, list[FieldChange]] = field(default_factory=dict)
+    definition: list[FieldChange] = field(default_factory=list)
+    contracts_added: list[str] = field(default_factory=list)
+    contracts_removed: list[str] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not (
+            self.added
+            or self.removed
+            or self.changed
+            or self.definition
+            or self.contracts_added
+            or self.contracts_removed
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "stages_added": self.added,
+            "stages_removed": self.removed,
+            "stages_changed": {s: [c.to_json() for c in cs] for s, cs in self.changed.items()},
+            "definition_changed": [c.to_json() for c in self.definition],
+            "contracts_added": self.contracts_added,
+            "contracts_removed": self.contracts_removed,
+        }
+
+    def lines(self) -> list[str]:
+        out = [f"+ stage {s}" for s in self.added] + [f"- stage {s}" for s in self.removed]
+        for stage, changes in self.changed.items():
+            out.append(f"~ stage {stage}")
+            out += [f"    {c.path}: {_short(c.before)} -> {_short(c.after)}" for c in changes]
+        out += [f"~ {c.path}: {_short(c.before)} -> {_short(c.after)}" for c in self.definition]
+        out += [f"+ contract {c}" for c in self.contracts_added]
+        out += [f"- contract {c}" for c in self.contracts_removed]
+        return out or ["no change in meaning"]
+
+
+def diff_plans(before: Mapping[str, Any], after: Mapping[str, Any]) -> PlanDiff:
+    old, new = before.get("stages", {}), after.get("stages", {})
+    changed = {
+        name: _fields(old[name], new[name], "")
+        for name in sorted(set(old) & set(new))
+        if old[name] != new[name]
+    }
+    old_contracts, new_contracts = set(before.get("contracts", {})), set(after.get("contracts", {}))
+    return PlanDiff(
+        added=sorted(set(new) - set(old)),
+        removed=sorted(set(old) - set(new)),
+        changed=changed,
+        definition=[
+            FieldChange(k, before.get(k), after.get(k)) for k in _TOP if before.get(k) != after.get(k)
+        ],
+        contracts_added=sorted(new_contracts - old_contracts),
+        contracts_removed=sorted(old_contracts - new_contracts),
+    )
+
+
+def _fields(old: Any, new: Any, path: str) -> list[FieldChange]:
+    """The leaves that differ (dicts walked key by key; lists and scalars compared whole)."""
+    if isinstance(old, Mapping) and isinstance(new, Mapping):
+        found: list[FieldChange] = []
+        for key in sorted(set(old) | set(new)):
+            if old.get(key) != new.get(key):
+                found += _fields(old.get(key), new.get(key), f"{path}.{key}" if path else str(key))
+        return found
+    return [FieldChange(path, old, new)]
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = json.dumps(value, sort_keys=True, ensure_ascii=False)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
