@@ -29,7 +29,7 @@ from orchestrator.bus.publisher import PUBLISH_ATTEMPTS, Publisher
 from orchestrator.engine.door import start_problems
 from orchestrator.engine.model import TERMINAL_RUN_STATUSES, RunSnapshot, RunStatus
 from orchestrator.errors import SagaError
-from orchestrator.governance.lifecycle import DefinitionNotFound, DefinitionState, choose
+from orchestrator.governance.lifecycle import DefinitionNotFound, DefinitionState, VersionRecord, choose
 from orchestrator.governance.store import definition_key, names_key, parse_state
 from orchestrator.settings import Settings, redis_client
 from orchestrator.store import shardmap_store
@@ -358,6 +358,19 @@ class ActivePlans:
         self._entries[definition] = (now, state)
         return state
 
+    def pick(
+        self, state: DefinitionState, run_id: str, version: str | None
+    ) -> tuple[VersionRecord, ActivePlan | None]:
+        """The version run ``run_id`` uses (raises NotStartable), and its plan if it was read before."""
+        record = choose(state, run_id, version)
+        return record, self.plans.get(record.digest)
+
+    def remember(self, definition: str, record: VersionRecord, body: Any) -> ActivePlan:
+        """The plan of ``record`` from its stored ``body``, kept for good (plans are immutable)."""
+        plan = active_plan_from(definition, record.digest, body, version=record.version)
+        self.plans[record.digest] = plan
+        return plan
+
 
 def state_from(definition: str, raw: Any, names: Iterable[str] = ()) -> DefinitionState:
     """The definition's stored state, or DefinitionNotFound (``names``: the published definitions, for a
@@ -492,16 +505,13 @@ class Client:
                 if raw is None:
                     raise DefinitionNotFound(definition, await self._published())
                 state = self._plans.put(definition, state_from(definition, raw), time.monotonic())
-        record = choose(state, run_id, version)
-        cached = self._plans.plans.get(record.digest)
-        if cached is not None:
-            return cached
-        try:
-            body = await self.redis.get(plan_key(prefix, record.digest))
-        except REDIS_ERRORS as exc:
-            raise unreachable_without_cache(definition, exc) from exc
-        plan = active_plan_from(definition, record.digest, body, version=record.version)
-        self._plans.plans[record.digest] = plan
+        record, plan = self._plans.pick(state, run_id, version)
+        if plan is None:
+            try:
+                body = await self.redis.get(plan_key(prefix, record.digest))
+            except REDIS_ERRORS as exc:
+                raise unreachable_without_cache(definition, exc) from exc
+            plan = self._plans.remember(definition, record, body)
         return plan
 
     async def _published(self) -> list[str]:
@@ -772,16 +782,13 @@ class SyncClient:
                         names = []
                     raise DefinitionNotFound(definition, names)
                 state = self._plans.put(definition, state_from(definition, raw), time.monotonic())
-        record = choose(state, run_id, version)
-        cached = self._plans.plans.get(record.digest)
-        if cached is not None:
-            return cached
-        try:
-            body = self.redis.get(plan_key(prefix, record.digest))
-        except REDIS_ERRORS as exc:
-            raise unreachable_without_cache(definition, exc) from exc
-        plan = active_plan_from(definition, record.digest, body, version=record.version)
-        self._plans.plans[record.digest] = plan
+        record, plan = self._plans.pick(state, run_id, version)
+        if plan is None:
+            try:
+                body = self.redis.get(plan_key(prefix, record.digest))
+            except REDIS_ERRORS as exc:
+                raise unreachable_without_cache(definition, exc) from exc
+            plan = self._plans.remember(definition, record, body)
         return plan
 
     def status(self, run_id: str) -> dict[str, Any]:
