@@ -653,15 +653,17 @@ class Client:
     async def _document(self, run_id: str) -> dict[str, Any] | None:
         """The run's status document; None while its id is claimed and the run not created yet. Raises
         RunNotFound for an id nobody claimed."""
-        shard = await self.redis.get(index_key(self.settings.key_prefix, run_id))
+        prefix = self.settings.key_prefix
+        shard = await self.redis.get(index_key(prefix, run_id))
+        record = await self.redis.hgetall(ShardKeys(prefix, str(shard)).run(run_id)) if shard else {}  # type: ignore[misc]
+        if record:
+            return status_document(_text(record))
+        refused = await self.redis.hgetall(refused_key(prefix, run_id))  # type: ignore[misc]
+        if refused:
+            return refused_document(run_id, _text(refused))
         if shard is None:
-            refused = await self.redis.hgetall(refused_key(self.settings.key_prefix, run_id))  # type: ignore[misc]
-            if refused:
-                return refused_document(run_id, _text(refused))
             raise RunNotFound(run_id)
-        key = ShardKeys(self.settings.key_prefix, str(shard)).run(run_id)
-        record = await self.redis.hgetall(key)  # type: ignore[misc]
-        return status_document(_text(record)) if record else None
+        return None
 
     async def wait(self, run_id: str, timeout_s: float = 60.0, poll_s: float = 0.01) -> RunResult:
         """Wait until the run is completed or failed (finalisers included)."""
@@ -792,17 +794,15 @@ class SyncClient:
         return plan
 
     def status(self, run_id: str) -> dict[str, Any]:
-        shard = self.redis.get(index_key(self.settings.key_prefix, run_id))
-        if shard is None:
-            refused = self.redis.hgetall(refused_key(self.settings.key_prefix, run_id))
-            if refused:
-                return refused_document(run_id, _text(refused))  # type: ignore[arg-type]
-        record = (
-            self.redis.hgetall(ShardKeys(self.settings.key_prefix, str(shard)).run(run_id)) if shard else {}
-        )
-        if not record:
-            raise RunNotFound(run_id)
-        return status_document(_text(record))  # type: ignore[arg-type]
+        prefix = self.settings.key_prefix
+        shard = self.redis.get(index_key(prefix, run_id))
+        record = self.redis.hgetall(ShardKeys(prefix, str(shard)).run(run_id)) if shard else {}
+        if record:
+            return status_document(_text(record))  # type: ignore[arg-type]
+        refused = self.redis.hgetall(refused_key(prefix, run_id))
+        if refused:
+            return refused_document(run_id, _text(refused))  # type: ignore[arg-type]
+        raise RunNotFound(run_id)
 
     def wait(self, run_id: str, timeout_s: float = 60.0, poll_s: float = 0.01) -> RunResult:
         deadline = time.monotonic() + timeout_s

@@ -97,11 +97,13 @@ async def read_record(client: aioredis.Redis, prefix: str, run_id: str) -> dict[
 async def run_document(client: aioredis.Redis, prefix: str, run_id: str) -> dict[str, Any]:
     """``client.status_document`` of a run, or of a run id whose start the shard refused (state
     ``refused``, with the reason); raises RunNotFound."""
-    if await RedisStore(client, prefix).owner(run_id) is None:
+    try:
+        return status_document(await read_record(client, prefix, run_id))
+    except RunNotFound:
         refused = await client.hgetall(refused_key(prefix, run_id))  # type: ignore[misc]
         if refused:
             return refused_document(run_id, refused)
-    return status_document(await read_record(client, prefix, run_id))
+        raise
 
 
 async def status_view(
@@ -115,9 +117,10 @@ async def status_view(
 ) -> dict[str, Any]:
     """The ``saga status --json`` document: ``client.status_document`` with the plan order and each
     stage's result, progress and (with ``probe``) why a dispatched stage waits."""
-    if await RedisStore(client, settings.key_prefix).owner(run_id) is None:
+    try:
+        record = await read_record(client, settings.key_prefix, run_id)
+    except RunNotFound:
         return {**await run_document(client, settings.key_prefix, run_id), "order": []}
-    record = await read_record(client, settings.key_prefix, run_id)
     document = status_document(record)
     store = store or RedisStore(client, settings.key_prefix)
     try:

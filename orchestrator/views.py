@@ -474,8 +474,10 @@ def live_contract_lines(rows: Sequence[Mapping[str, Any]]) -> list[str]:
         workers = row["workers"]
         if workers:
             served = _who(workers)
+        elif row["pinned_runs"]:
+            served = "none: its runs wait for a worker"
         else:
-            served = "none: its runs wait for a worker" if row["pinned_runs"] else "none"
+            served = "none: new runs of a version using it would wait" if row.get("startable") else "none"
         kind, queue = str(row.get("kind") or "?"), str(row.get("queue") or "?")
         cells.append((row["ref"], kind, queue, str(row["pinned_runs"]), served))
     widths = [max([len(c[i]) for c in cells] + [len(CONTRACT_COLUMNS[i])]) for i in range(4)]
@@ -484,9 +486,11 @@ def live_contract_lines(rows: Sequence[Mapping[str, Any]]) -> list[str]:
         padded = [cell.ljust(widths[i]) for i, cell in enumerate(line[:4])]
         lines.append("  ".join([*padded, line[4]]).rstrip())
         for pinned in row.get("plans", []):
-            if pinned["runs"]:
+            if pinned["runs"] or pinned.get("startable"):
+                runs = f"{pinned['runs']} unfinished run{'s' if pinned['runs'] != 1 else ''}"
+                may = "; new runs may start on it" if pinned.get("startable") else ""
                 lines.append(
                     f"    pinned by {pinned['definition']} {pinned['version']} ({pinned['digest'][:19]}…): "
-                    f"{pinned['runs']} unfinished run{'s' if pinned['runs'] != 1 else ''}"
+                    f"{runs}{may}"
                 )
     return lines

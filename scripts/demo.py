@@ -36,6 +36,7 @@ from orchestrator.views import LiveTable
 from workers.demo.effects import DemoWorld
 
 ROOT = Path(__file__).resolve().parent.parent
+DEMO_NAMESPACE = "demo"  # the demo's own environment, emptied at every start
 LOGS = ROOT / ".demo"
 SLOW_MS = {
     "thumbnail.render": 700,
@@ -94,8 +95,11 @@ def fresh_environment(settings: Settings, registry: Registry) -> None:
 
 
 def prepare(settings: Settings, registry: Registry) -> None:
-    print(f"▸ a fresh '{settings.namespace}' environment: what an earlier demo left there is deleted")
-    fresh_environment(settings, registry)
+    if settings.namespace == DEMO_NAMESPACE and settings.key_prefix == DEMO_NAMESPACE:
+        print(f"▸ a fresh '{DEMO_NAMESPACE}' environment: what an earlier demo left there is deleted")
+        fresh_environment(settings, registry)
+    else:  # never empty an environment that is not the demo's own
+        print(f"▸ environment '{settings.namespace}' (not the demo's own): kept as it is")
     print("▸ validating and publishing definitions/*.yaml, declaring the broker topology")
     plans = asyncio.run(provision(settings, registry, sorted((ROOT / "definitions").glob("*.yaml"))))
     for plan in plans:
@@ -142,7 +146,7 @@ def show(frame: str | None) -> None:
 
 
 def main() -> None:
-    os.environ.setdefault("SAGA_NAMESPACE", "demo")  # its own queues and keys: never meets another setup
+    os.environ.setdefault("SAGA_NAMESPACE", DEMO_NAMESPACE)  # its own queues and keys
     settings = Settings()
     registry = Registry.from_modules(settings.contracts)
     check_services(settings)

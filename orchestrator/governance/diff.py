@@ -7,17 +7,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-#: Plan fields that are not stages and that a reviewer reads as part of the definition's meaning.
-_TOP = (
-    "entry",
-    "class",
-    "context",
-    "output",
-    "finalisers",
-    "terminals",
-    "terminal_policy",
-    "run_deadline_ms",
-)
+#: Plan fields compared on their own: the rest of a plan's top level is the definition's own fields.
+_APART = frozenset({"stages", "contracts", "name", "version"})
 
 
 @dataclass(frozen=True)
@@ -38,6 +29,7 @@ class PlanDiff:
     definition: list[FieldChange] = field(default_factory=list)
     contracts_added: list[str] = field(default_factory=list)
     contracts_removed: list[str] = field(default_factory=list)
+    contracts_changed: dict[str, list[FieldChange]] = field(default_factory=dict)
 
     @property
     def empty(self) -> bool:
@@ -48,6 +40,7 @@ class PlanDiff:
             or self.definition
             or self.contracts_added
             or self.contracts_removed
+            or self.contracts_changed
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -58,6 +51,7 @@ class PlanDiff:
             "definition_changed": [c.to_json() for c in self.definition],
             "contracts_added": self.contracts_added,
             "contracts_removed": self.contracts_removed,
+            "contracts_changed": {r: [c.to_json() for c in cs] for r, cs in self.contracts_changed.items()},
         }
 
     def lines(self) -> list[str]:
@@ -68,6 +62,9 @@ class PlanDiff:
         out += [f"~ {c.path}: {_short(c.before)} -> {_short(c.after)}" for c in self.definition]
         out += [f"+ contract {c}" for c in self.contracts_added]
         out += [f"- contract {c}" for c in self.contracts_removed]
+        for ref, changes in self.contracts_changed.items():
+            out.append(f"~ contract {ref} (the same version, another declaration)")
+            out += [f"    {c.path}: {_short(c.before)} -> {_short(c.after)}" for c in changes]
         return out or ["no change in meaning"]
 
 
@@ -78,16 +75,22 @@ def diff_plans(before: Mapping[str, Any], after: Mapping[str, Any]) -> PlanDiff:
         for name in sorted(set(old) & set(new))
         if old[name] != new[name]
     }
-    old_contracts, new_contracts = set(before.get("contracts", {})), set(after.get("contracts", {}))
+    old_contracts, new_contracts = before.get("contracts", {}), after.get("contracts", {})
+    top = sorted((set(before) | set(after)) - _APART)
     return PlanDiff(
         added=sorted(set(new) - set(old)),
         removed=sorted(set(old) - set(new)),
         changed=changed,
         definition=[
-            FieldChange(k, before.get(k), after.get(k)) for k in _TOP if before.get(k) != after.get(k)
+            FieldChange(k, before.get(k), after.get(k)) for k in top if before.get(k) != after.get(k)
         ],
-        contracts_added=sorted(new_contracts - old_contracts),
-        contracts_removed=sorted(old_contracts - new_contracts),
+        contracts_added=sorted(set(new_contracts) - set(old_contracts)),
+        contracts_removed=sorted(set(old_contracts) - set(new_contracts)),
+        contracts_changed={
+            ref: _fields(old_contracts[ref], new_contracts[ref], "")
+            for ref in sorted(set(old_contracts) & set(new_contracts))
+            if old_contracts[ref] != new_contracts[ref]
+        },
     )
 
 

@@ -82,9 +82,13 @@ async def publish(
     if activate:
         refuse_publish_activate(settings, plans)
     async with _store(settings) as store:
-        for plan in plans:  # the check: a conflict or refusal raises here, before anything is stored
-            probe = Actor(actor, 0, reason)
-            publish_verb(plan, activate)(await store.load(plan.name), probe, [])
+        # the check, before anything is stored: each plan against the state the ones before it leave (two
+        # files under one name and version but different digests are refused here too)
+        probe = Actor(actor, 0, reason)
+        states: dict[str, DefinitionState] = {}
+        for plan in plans:
+            state = states.get(plan.name) or await store.load(plan.name)
+            states[plan.name] = publish_verb(plan, activate)(state, probe, []).after
         return [
             await store.change(plan.name, publish_verb(plan, activate), actor, reason, plan) for plan in plans
         ]

@@ -126,7 +126,7 @@ class Processor:
         infos = await self.definitions.digest_info([digest for _, digest, _ in named])
         candidates = []
         for (i, digest, context), info in zip(named, infos, strict=True):
-            refusal = await self._refusal(envelopes[i], digest, info)
+            refusal = await self._refusal(shard, envelopes[i], digest, info)
             if refusal is not None:
                 outcomes[i] = refusal
                 continue
@@ -191,10 +191,10 @@ class Processor:
             owner = await self.store.owner(envelope.run_id)
             if owner is not None and owner != shard:
                 return Outcome(forward_to=owner)  # a start re-sent for a run of another shard
-            refused = await self._refuse(envelope, "", None, str(exc))
+            refused = await self._refuse(shard, envelope, "", None, str(exc))
             return refused or Outcome(rejected=("unknown-definition", str(exc)))
         (info,) = await self.definitions.digest_info([digest])
-        refusal = await self._refusal(envelope, digest, info)
+        refusal = await self._refusal(shard, envelope, digest, info)
         if refusal is not None:
             return refusal
         try:
@@ -219,7 +219,9 @@ class Processor:
             raise PlanNotFound(f"definition {definition!r}")
         return choose(state, run_id).digest
 
-    async def _refusal(self, envelope: Envelope, digest: str, info: DigestInfo | None) -> Outcome | None:
+    async def _refusal(
+        self, shard: str, envelope: Envelope, digest: str, info: DigestInfo | None
+    ) -> Outcome | None:
         """Refuse a start of a plan no run may be created from (never published, not approved, or
         retired). None when the start may go on: its version may start runs, or the run already exists
         (a start re-sent for a run created while its version was startable is a duplicate)."""
@@ -230,14 +232,19 @@ class Processor:
         else:
             what = "not approved yet" if info.state is State.PUBLISHED else "retired: no new runs"
             why = f"{info.definition} {info.version} ({digest}) is {what}"
-        return await self._refuse(envelope, digest, info, why)
+        return await self._refuse(shard, envelope, digest, info, why)
 
     async def _refuse(
-        self, envelope: Envelope, digest: str, info: DigestInfo | None, why: str
+        self, shard: str, envelope: Envelope, digest: str, info: DigestInfo | None, why: str
     ) -> Outcome | None:
-        """The run is not created; the refusal is kept where status and wait find it (None: the run
-        exists already, so this start is a duplicate and goes the usual way)."""
-        if await self.store.owner(envelope.run_id) is not None:
+        """The run is not created; the refusal is kept where status and wait find it. None when the run
+        exists (this start is a duplicate and goes the usual way) or lives on another shard (which
+        checks again). A claim of this shard without a run (a crash between claim and create, or a run
+        whose retention ended) does not make a start a duplicate."""
+        owner = await self.store.owner(envelope.run_id)
+        if owner is not None and owner != shard:
+            return None
+        if owner == shard and await self.store.snapshot(shard, envelope.run_id) is not None:
             return None
         await self.store.record_refusal(envelope.run_id, digest, info, why, self.clock_ms())
         return Outcome(rejected=("version-not-startable", f"run {envelope.run_id} not created: {why}"))

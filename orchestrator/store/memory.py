@@ -39,6 +39,7 @@ class MemoryStore:
     runs: dict[str, MemoryRun] = field(default_factory=dict)
     outbox: dict[str, str] = field(default_factory=dict)  # id -> payload, in insertion order
     timers: dict[str, int] = field(default_factory=dict)  # the shard's timer set: member -> due ms
+    live: dict[str, int] = field(default_factory=dict)  # plan digest -> unfinished runs (helpers.lua)
 
     def due_timers(self, now_ms: int) -> list[str]:
         return [m for m, due in sorted(self.timers.items(), key=lambda t: (t[1], t[0])) if due <= now_ms]
@@ -112,7 +113,9 @@ class MemoryStore:
 
     def _apply_all(self, run: MemoryRun, body: dict[str, Any], names: dict[int, str]) -> None:
         """Every write of an accepted transition but its history (helpers.lua: apply_all)."""
+        before = run.record.get("status")
         self._write(run, body, names)
+        self._count_live(run, before)
         if body.get("remember", True):
             run.applied.add(body["mid"])
         for member in body.get("untimers", []):
@@ -145,6 +148,20 @@ class MemoryStore:
         for k, counter, count, members in body["inits"]:
             run.barriers[names[k]] = dict.fromkeys(members, "")
             run.record[counter] = str(count)
+
+    def _count_live(self, run: MemoryRun, before: str | None) -> None:
+        """helpers.lua: count_live."""
+        was, now = _is_live(before), _is_live(run.record.get("status"))
+        digest = run.record.get("digest")
+        if was == now or not digest:
+            return
+        if now:
+            run.record["counted"] = "1"
+            self.live[digest] = self.live.get(digest, 0) + 1
+        elif run.record.pop("counted", None) is not None:
+            self.live[digest] -= 1
+            if self.live[digest] <= 0:
+                del self.live[digest]
 
     def _history(self, run: MemoryRun, body: dict[str, Any]) -> None:
         for kind, stage, attempt, detail in body["history"]:
@@ -184,13 +201,19 @@ class MemoryStore:
         if run.record.get("status") in ("completed", "failed"):
             return DUPLICATE
         run.record.setdefault("intent", "failed")
+        before = run.record.get("status")
         run.record.update(status="failed", reason=body["reason"], finished_at=str(now_ms))
+        self._count_live(run, before)
         failed = {"reason": body["reason"]}
         run.history.append({"kind": "run.failed", "stage": "", "attempt": "", "at": now_ms, "detail": failed})
         return APPLIED
 
     def mark_sent(self, ids: list[str]) -> int:
         return sum(1 for i in ids if self.outbox.pop(i, None) is not None)
+
+
+def _is_live(status: str | None) -> bool:
+    return status is not None and status not in ("completed", "failed")
 
 
 def _check(record: dict[str, str], expects: list[list[Any]]) -> str | None:

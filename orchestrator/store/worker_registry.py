@@ -34,6 +34,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from orchestrator.governance.store import digests_key, parse_digest_info
 from orchestrator.store.live_runs import unfinished_by_digest
 from orchestrator.store.membership import process_id, redis_now_ms
 from orchestrator.store.redis_store import PlanNotFound, RedisStore
@@ -246,12 +247,12 @@ def serving_index(workers: Iterable[WorkerInfo]) -> dict[str, list[WorkerInfo]]:
 
 
 async def pinned_plans(
-    client: aioredis.Redis, prefix: str, unfinished: Mapping[str, int]
+    client: aioredis.Redis, prefix: str, digests: Iterable[str]
 ) -> dict[str, Mapping[str, Any]]:
-    """The plans of ``unfinished`` (digest -> runs), by digest; a plan that is not stored is left out."""
+    """The plans of ``digests``, by digest; a plan that is not stored is left out."""
     store = RedisStore(client, prefix)
     plans: dict[str, Mapping[str, Any]] = {}
-    for digest in sorted(unfinished):
+    for digest in sorted(set(digests)):
         with contextlib.suppress(PlanNotFound):
             plans[digest] = await store.plan(digest)
     return plans
@@ -262,11 +263,14 @@ def contract_rows(
     workers: Iterable[WorkerInfo],
     plans: Mapping[str, Mapping[str, Any]],
     unfinished: Mapping[str, int],
+    startable: Iterable[str] = (),
 ) -> list[dict[str, Any]]:
     """``saga contracts list --live``: one row per contract version that is registered (``contracts``,
-    of :class:`~orchestrator.contracts.Contract`), served by a live worker or pinned by an unfinished run:
-    its kind and queue, the live workers serving it (and through which adapter), and the unfinished runs
-    whose plan uses it, per plan. Pure."""
+    of :class:`~orchestrator.contracts.Contract`), served by a live worker, pinned by an unfinished run
+    or used by a definition version that may still start runs (``startable``: their plan digests): its
+    kind and queue, the live workers serving it (and through which adapter), and per plan that uses it
+    its unfinished runs and whether new runs may still start on it. Pure."""
+    may_start = set(startable)
     known: dict[str, dict[str, Any]] = {
         c.ref: {"kind": c.kind.value, "queue": c.queue, "registered": True} for c in contracts
     }
@@ -279,7 +283,7 @@ def contract_rows(
                 ref, {"kind": contract.get("kind"), "queue": contract.get("queue"), "registered": False}
             )
             entry = {"digest": digest, "definition": plan.get("name"), "version": plan.get("version")}
-            pinned.setdefault(ref, []).append({**entry, "runs": runs})
+            pinned.setdefault(ref, []).append({**entry, "runs": runs, "startable": digest in may_start})
     for ref in by_ref:
         known.setdefault(ref, {"kind": None, "queue": None, "registered": False})
     rows = []
@@ -291,6 +295,7 @@ def contract_rows(
                 **known[ref],
                 "workers": [w.summary(ref) for w in by_ref.get(ref, [])],
                 "pinned_runs": sum(p["runs"] for p in plans_of),
+                "startable": any(p["startable"] for p in plans_of),
                 "plans": plans_of,
             }
         )
@@ -300,12 +305,20 @@ def contract_rows(
 async def read_contract_rows(
     client: aioredis.Redis, prefix: str, shards: Iterable[str], contracts: Iterable[Any]
 ) -> list[dict[str, Any]]:
-    """:func:`contract_rows` from Redis: live workers, and unfinished runs per digest over ``shards``
-    (every shard of the map, retired ones included)."""
+    """:func:`contract_rows` from Redis: live workers, unfinished runs per digest over ``shards`` (every
+    shard of the map, retired ones included), and the definition versions that may still start runs."""
     workers = await live_workers(client, prefix)
     unfinished = await unfinished_by_digest(client, prefix, shards)
-    plans = await pinned_plans(client, prefix, unfinished)
-    return contract_rows(contracts, workers, plans, unfinished)
+    startable = await startable_digests(client, prefix)
+    plans = await pinned_plans(client, prefix, [*unfinished, *startable])
+    return contract_rows(contracts, workers, plans, unfinished, startable)
+
+
+async def startable_digests(client: aioredis.Redis, prefix: str) -> list[str]:
+    """The plan digests of every definition version that may still start runs (approved, not retired)."""
+    raw = await client.hgetall(digests_key(prefix))  # type: ignore[misc]
+    infos = {_text(d): parse_digest_info(v) for d, v in raw.items()}
+    return sorted(d for d, info in infos.items() if info is not None and info.startable)
 
 
 def _ref_order(ref: str) -> tuple[str, int]:

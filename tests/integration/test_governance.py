@@ -4,6 +4,7 @@ refusing a start of an unreviewed or retired plan that a forged message slips pa
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -13,8 +14,21 @@ from typing import Any
 import pytest
 
 from orchestrator.client import SyncClient, run_id_for, start_envelope
-from orchestrator.governance.lifecycle import on_canary
-from tests.integration.stack import ROOT, Stack, poll, running
+from orchestrator.compiler import compile_text
+from orchestrator.governance.lifecycle import (
+    Actor,
+    Change,
+    DefinitionState,
+    State,
+    approve,
+    on_canary,
+    retire,
+)
+from orchestrator.governance.service import publish_verb
+from orchestrator.governance.store import DefinitionChanged, DefinitionStore, definition_key
+from orchestrator.settings import redis_client
+from orchestrator.store.keys import index_key
+from tests.integration.stack import REGISTRY, ROOT, Stack, poll, running
 
 pytestmark = pytest.mark.services
 
@@ -93,6 +107,17 @@ def test_republishing_a_version_is_a_no_op_and_another_file_under_it_is_refused(
     )
     assert done.returncode == 1 and "separate approval is on" in done.stderr
     saga(stack, "definitions", "retire", "model-ingest", "--version", "9.0.0", env=BOB)
+    # Usage errors exit 2, unknown names and versions 1, each saying what to do
+    assert (
+        stack.saga("definitions", "canary", "model-ingest", "--version", "9.0.0", "--percent", "0").returncode
+        == 2
+    )
+    unknown = saga(stack, "definitions", "approve", "model-ingst", "--version", "1", code=1)["error"]
+    assert unknown["code"] == "definition_not_found" and unknown["ids"]["did_you_mean"] == "model-ingest"
+    missing = saga(stack, "definitions", "activate", "model-ingest", "--version", "7.7.7", code=1)["error"]
+    assert missing["ids"]["reason"] == "unknown_version" and "publish it first" in missing["message"]
+    down = stack.saga("definitions", "list", extra_env={"SAGA_REDIS_URL": "redis://127.0.0.1:1/0"})
+    assert down.returncode == 2 and "Redis" in down.stderr
 
 
 def test_a_release_under_load_canary_promote_rollback_retire_never_moves_a_run(
@@ -122,8 +147,13 @@ def test_a_release_under_load_canary_promote_rollback_retire_never_moves_a_run(
     assert saga(stack, "status", forged)["state"] == "refused"
     assert stack.saga("wait", forged).returncode == 1
 
-    # When bob approves it and puts it on a 30 % canary
+    # When bob approves it, the same forged start creates its run after all (status shows the run)
     saga(stack, "definitions", "approve", "model-ingest", "--version", "2.4.0", env=BOB)
+    forged_start(stack, forged, new["digest"])
+    poll(lambda: client.status(forged)["state"] != "refused", 30, what="the run created after all")
+    assert client.wait(forged, timeout_s=60).state == "completed"
+    assert saga(stack, "status", forged)["digest"] == new["digest"]
+    # and he puts it on a 30 % canary
     canary = saga(
         stack, "definitions", "canary", "model-ingest", "--version", "2.4.0", "--percent", "30", env=BOB
     )
@@ -160,6 +190,11 @@ def test_a_release_under_load_canary_promote_rollback_retire_never_moves_a_run(
     assert done.returncode == 1 and "version 2.4.0 is retired" in done.stderr
     forged_start(stack, "forged-retired", new["digest"])
     refused = client.wait("forged-retired", timeout_s=30)
+    assert refused.state == "refused" and "retired" in (refused.reason or "")
+    # even for a run id whose claim outlived its run (a crash between claim and create, an expired run)
+    stack.redis.set(index_key(stack.prefix, "forged-orphan"), "fast.0")
+    forged_start(stack, "forged-orphan", new["digest"])
+    refused = client.wait("forged-orphan", timeout_s=30)
     assert refused.state == "refused" and "retired" in (refused.reason or "")
 
     # Then every run completes on the plan it was pinned to
@@ -200,3 +235,54 @@ def test_a_release_under_load_canary_promote_rollback_retire_never_moves_a_run(
     ]
     for c in (client, canary_client, after_promote, after_rollback):
         c.close()
+
+
+def test_two_lifecycle_changes_at_once_never_both_win(stack: Stack, tmp_path: Path) -> None:
+    """A change stored over a revision someone else moved meanwhile is computed again from the new
+    state; one that keeps losing gives up with DefinitionChanged, storing nothing."""
+    key = definition_key(stack.prefix, "model-ingest")
+
+    def someone_else_writes() -> None:  # between this command's read and its write
+        stack.redis.eval(BUMP, 1, key)
+
+    async def main() -> None:
+        client = redis_client(stack.settings)
+        store = DefinitionStore(client, stack.prefix)
+        try:
+            for version in ("9.1.0", "9.2.0"):
+                plan = compile_text(version_file(tmp_path, version).read_text(), f"{version}.yaml", REGISTRY)
+                await store.change("model-ingest", publish_verb(plan, activate=False), "alice", "", plan)
+            first = (await store.load("model-ingest")).revision
+            seen: list[int] = []
+
+            def loses_once(state: DefinitionState, actor: Actor, _: list[str]) -> Change:
+                seen.append(state.revision)
+                if len(seen) == 1:
+                    someone_else_writes()
+                return approve(state, "9.2.0", actor, separate_approver=True)
+
+            change = await store.change("model-ingest", loses_once, "bob", "race")
+            assert seen == [first, first + 1]  # computed again from the state the other write left
+            state = await store.load("model-ingest")
+            assert state.revision == first + 2 and state.versions["9.2.0"].state is State.APPROVED
+            assert [r.actor for r in change.records] == ["bob"]
+
+            def always_loses(state: DefinitionState, actor: Actor, _: list[str]) -> Change:
+                someone_else_writes()
+                return retire(state, "9.2.0", actor)
+
+            with pytest.raises(DefinitionChanged, match="nothing was changed"):
+                await store.change("model-ingest", always_loses, "bob", "")
+            assert (await store.load("model-ingest")).versions["9.2.0"].state is State.APPROVED
+        finally:
+            await client.aclose()
+
+    asyncio.run(main())
+
+
+#: Another writer's change, as far as the revision check can tell.
+BUMP = """
+local doc = cjson.decode(redis.call('GET', KEYS[1]))
+doc.revision = doc.revision + 1
+redis.call('SET', KEYS[1], cjson.encode(doc))
+"""

@@ -99,6 +99,7 @@ class State:
     barriers: dict[str, dict[str, str]]
     outbox: dict[str, str]
     timers: dict[str, int]  # the run's members of the shard's timer set, with their due times
+    live: dict[str, int]  # the shard's unfinished runs per plan digest (one run per test: this one's)
 
 
 async def redis_state(store: RedisStore, run_id: str, plan: Mapping[str, Any]) -> State:
@@ -116,6 +117,7 @@ async def redis_state(store: RedisStore, run_id: str, plan: Mapping[str, Any]) -
             for m, due in await client.zrange(keys.timers(), 0, -1, withscores=True)
             if m.startswith(f"{run_id}|")
         },
+        live={d: int(n) for d, n in (await client.hgetall(keys.live())).items()},
     )
 
 
@@ -128,6 +130,7 @@ def memory_state(store: MemoryStore, run_id: str, plan: Mapping[str, Any]) -> St
         barriers={b: dict(run.barriers.get(b, {})) for b in barrier_stages(plan)},
         outbox={k: v for k, v in store.outbox.items() if json.loads(v)["run_id"] == run_id},
         timers={m: due for m, due in store.timers.items() if m.startswith(f"{run_id}|")},
+        live=dict(store.live),
     )
 
 

@@ -60,6 +60,7 @@ def test_identical_plans_have_an_empty_diff() -> None:
         "definition_changed": [],
         "contracts_added": [],
         "contracts_removed": [],
+        "contracts_changed": {},
     }
 
 
@@ -266,3 +267,15 @@ def test_the_diff_is_the_reverse_of_the_reverse_diff() -> None:
     assert {s: [(c.path, c.after, c.before) for c in cs] for s, cs in forward.changed.items()} == {
         s: [(c.path, c.before, c.after) for c in cs] for s, cs in backward.changed.items()
     }
+
+
+def test_a_contract_redeclared_under_the_same_version_is_a_change() -> None:
+    before = compile_text((DEFINITIONS / "model-ingest.yaml").read_text(), "m.yaml", DEMO_REGISTRY).plan
+    after = json.loads(json.dumps(before))
+    after["contracts"]["cache.lookup@1"]["queue"] = "tasks.elsewhere"
+    after["plan_format"] = 2
+    diff = diff_plans(before, after)
+    assert not diff.empty
+    assert [c.path for c in diff.contracts_changed["cache.lookup@1"]] == ["queue"]
+    assert [c.path for c in diff.definition] == ["plan_format"]
+    assert "~ contract cache.lookup@1 (the same version, another declaration)" in diff.lines()

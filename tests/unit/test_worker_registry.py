@@ -19,6 +19,7 @@ from orchestrator.shardmap import ShardMap
 from orchestrator.store import shardmap_store, worker_registry
 from orchestrator.store.connect import async_client
 from orchestrator.store.worker_registry import Presence, WorkerInfo, contract_rows, live_key, worker_key
+from orchestrator.views import live_contract_lines
 
 RENDER_PLAN: dict[str, Any] = {
     "name": "probe-render",
@@ -72,7 +73,7 @@ def test_contract_rows_join_the_registry_the_live_workers_and_the_pinned_runs() 
     by_ref = {row["ref"]: row for row in rows}
     assert [row["ref"] for row in rows] == ["probe.render@3", "probe.render@4"]
     old = by_ref["probe.render@3"]
-    assert set(old) == {"ref", "kind", "queue", "registered", "workers", "pinned_runs", "plans"}
+    assert set(old) == {"ref", "kind", "queue", "registered", "workers", "pinned_runs", "startable", "plans"}
     assert (old["kind"], old["queue"], old["registered"], old["pinned_runs"]) == (
         "worker",
         "probe-rendering",
@@ -88,8 +89,21 @@ def test_contract_rows_join_the_registry_the_live_workers_and_the_pinned_runs() 
         "adapter_to": None,
         "queues": ["probe-rendering"],
     }
-    assert old["plans"] == [{"digest": DIGEST, "definition": "probe-render", "version": "3.0.0", "runs": 5}]
+    pinned = {"digest": DIGEST, "definition": "probe-render", "version": "3.0.0", "runs": 5}
+    assert old["plans"] == [{**pinned, "startable": False}] and not old["startable"]
     assert by_ref["probe.render@4"]["pinned_runs"] == 0 and by_ref["probe.render@4"]["plans"] == []
+
+
+def test_a_version_no_run_pins_but_a_startable_definition_uses_is_not_free_to_drop() -> None:
+    registry = Registry.from_modules(["tests.integration.probe_apps.render_v4"])
+    rows = contract_rows(registry.contracts(), [NEW], {DIGEST: RENDER_PLAN}, {}, startable=[DIGEST])
+    old = {row["ref"]: row for row in rows}["probe.render@3"]
+    assert old["pinned_runs"] == 0 and old["startable"]
+    assert old["plans"] == [
+        {"digest": DIGEST, "definition": "probe-render", "version": "3.0.0", "runs": 0, "startable": True}
+    ]
+    (line,) = [line for line in live_contract_lines(rows) if "pinned by" in line]
+    assert "0 unfinished runs; new runs may start on it" in line
 
 
 def test_versions_only_runs_or_workers_know_are_listed_too() -> None:

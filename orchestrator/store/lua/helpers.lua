@@ -96,16 +96,21 @@ local function is_live(status)
 end
 
 -- A run counts in KEYS[7] under its plan digest from its creation until it ends, and again while a
--- re-drive runs it. A count that would go below 1 is removed (runs that ended before the count existed
--- cannot make it negative), so a definition version shows its runs draining to 0.
+-- re-drive runs it. The run hash's 'counted' field says it is in the count, so only a counted run is
+-- taken out of it (runs created before the count existed never lower another run's count), and a
+-- definition version shows its runs draining to 0.
 local function count_live(keys, before)
   local after = redis.call('HGET', keys[1], 'status')
   local was, now = is_live(before), is_live(after)
   if was == now then return end
   local digest = redis.call('HGET', keys[1], 'digest')
   if not digest then return end
-  local n = redis.call('HINCRBY', keys[7], digest, now and 1 or -1)
-  if n <= 0 then redis.call('HDEL', keys[7], digest) end
+  if now then
+    redis.call('HSET', keys[1], 'counted', '1')
+    redis.call('HINCRBY', keys[7], digest, 1)
+  elseif redis.call('HDEL', keys[1], 'counted') == 1 then
+    if redis.call('HINCRBY', keys[7], digest, -1) <= 0 then redis.call('HDEL', keys[7], digest) end
+  end
 end
 
 local function finish(keys, spec)
