@@ -16,6 +16,8 @@ by raising.
 from __future__ import annotations
 
 import json
+import os
+import sys
 from collections.abc import Mapping
 from typing import IO, Any, NoReturn
 
@@ -135,6 +137,10 @@ class SagaGroup(click.Group):
             return super().invoke(ctx)
         except (SagaError, click.ClickException) as exc:
             raise _rendered(exc, as_json=as_json) from exc
+        except BrokenPipeError:  # the reader of our output went away (`saga runs | head`): not a service
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())  # so that flushing stdout at exit raises nothing more
+            sys.exit(1)
         except SERVICE_ERRORS as exc:  # a command that let a broken connection through
             raise _rendered(unreachable(exc), as_json=as_json) from exc
         except Exception as exc:
