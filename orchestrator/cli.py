@@ -88,7 +88,7 @@ def _env(modules: tuple[str, ...], registry_file: str | None) -> Env:
 
 def _shown(loc: tuple[int | str, ...], value: Any) -> str:
     """A refused setting's value for a message: never a key, never a URL's password."""
-    if "signing_keys" in loc:
+    if "signing_keys" in loc or "token" in loc:
         return "the keys, not shown"
     if isinstance(value, str) and ("amqp_url" in loc or "redis_url" in loc):
         return repr(redacted(value))

@@ -130,6 +130,16 @@ class Settings(BaseSettings):
         description="YAML file of per-namespace allowlists: a definition-name prefix -> the contracts and "
         "queues its definitions may use, checked at compile time",
     )
+    # ---- operations -------------------------------------------------------------------------------
+    log_format: Literal["text", "json"] | None = Field(
+        None,
+        description="text: one readable line per record; json: one JSON object per line with time, level, "
+        "logger, message and the ids in scope (run, stage, attempt, shard, message id); unset: text",
+    )
+    server_url: str | None = Field(
+        None, description="the control-plane server the CLI goes through (saga --server URL); unset: direct"
+    )
+    token: str | None = Field(None, description="the bearer token the CLI presents to SAGA_SERVER_URL")
     crash_points: Annotated[tuple[str, ...], NoDecode] = Field(
         (), description="fault injection for tests only: kill -9 this process at these named points"
     )
