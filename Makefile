@@ -22,6 +22,13 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# The console's browser tests drive Debian's chromium with Playwright (a dev dependency): installed here
+# when missing (as root, from Debian's packages), since `playwright install` cannot download browsers.
+CHROMIUM := /usr/bin/chromium
+$(CHROMIUM):
+	apt-get install -y --no-install-recommends chromium || \
+	  (apt-get update && apt-get install -y --no-install-recommends chromium)
+
 demo: $(STAMP)
 	$(BIN)/python scripts/demo.py
 
@@ -35,11 +42,11 @@ typecheck: $(STAMP)
 unit: $(STAMP)
 	$(BIN)/python -m pytest $(UNIT_TESTS)
 
-rest: $(STAMP)  # integration, CLI and fault-injection tests
+rest: $(STAMP) $(CHROMIUM)  # integration, CLI, browser and fault-injection tests
 	$(BIN)/python -m pytest tests $(NOT_UNIT) $(NOT_LONG)
 
 # Everything, unit tests first (what .ci/run runs): about 9-10 minutes on 2 cores.
-test: lint typecheck
+test: lint typecheck $(CHROMIUM)
 	$(BIN)/python -m pytest $(UNIT_TESTS)
 	$(BIN)/python -m pytest tests $(NOT_UNIT) $(NOT_LONG)
 
@@ -49,7 +56,7 @@ test-cluster: $(STAMP)
 	$(BIN)/python -m pytest tests $(NOT_UNIT) -m long
 
 # The quick loop: everything but the fault suite (tests/faults) and the tests marked slow.
-test-fast: lint typecheck
+test-fast: lint typecheck $(CHROMIUM)
 	$(BIN)/python -m pytest $(UNIT_TESTS) -x -q
 	$(BIN)/python -m pytest tests $(NOT_UNIT) --ignore=tests/faults -m 'not slow and not long'
 

@@ -219,13 +219,15 @@ _FIELDS = ["definition", "version", "status", "created_at", "finished_at", "reas
 @dataclass(frozen=True)
 class RunFilter:
     """What ``saga runs`` keeps: each set field must match; ``since_ms`` bounds the creation time;
-    ``limit`` keeps the newest ones."""
+    ``limit`` keeps the newest ones; ``after`` (created-at ms, run id: the last row of a page) starts
+    the next page below it, in the listing's order (newest first, then by run id)."""
 
     state: str | None = None
     definition: str | None = None
     version: str | None = None
     since_ms: int | None = None
     limit: int | None = None
+    after: tuple[int, str] | None = None
 
     def keeps(self, definition: str | None, version: str | None, state: str | None) -> bool:
         return (
@@ -258,12 +260,16 @@ async def list_runs(settings: Settings, wanted: RunFilter) -> list[dict[str, Any
 
 async def _shard_runs(client: aioredis.Redis, keys: ShardKeys, wanted: RunFilter) -> list[dict[str, Any]]:
     low = wanted.since_ms if wanted.since_ms is not None else "-inf"
+    high: int | str = wanted.after[0] if wanted.after is not None else "+inf"
     page = min(max(wanted.limit or PAGE, 100), PAGE)
     rows: list[dict[str, Any]] = []
     seen: set[str] = set()
     offset = 0
     while True:
-        run_ids = await client.zrevrangebyscore(keys.runs(), "+inf", low, start=offset, num=page)
+        scored = await client.zrevrangebyscore(
+            keys.runs(), high, low, start=offset, num=page, withscores=True
+        )
+        run_ids = [r for r, score in scored if not _before_cursor(wanted.after, int(score), r)]
         async with client.pipeline(transaction=False) as pipe:
             for run_id in run_ids:
                 pipe.hmget(keys.run(run_id), _FIELDS)
@@ -288,9 +294,14 @@ async def _shard_runs(client: aioredis.Redis, keys: ShardKeys, wanted: RunFilter
             )
             if wanted.limit is not None and len(rows) >= wanted.limit:
                 return rows
-        if len(run_ids) < page:
+        if len(scored) < page:
             return rows
         offset += page
+
+
+def _before_cursor(after: tuple[int, str] | None, created_at: int, run_id: str) -> bool:
+    """Whether a run was on a page before the one ``after`` starts (same millisecond, lower run id)."""
+    return after is not None and created_at == after[0] and run_id <= after[1]
 
 
 async def _add_updated(client: aioredis.Redis, prefix: str, rows: list[dict[str, Any]]) -> None:

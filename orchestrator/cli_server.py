@@ -1,0 +1,28 @@
+"""``saga server``: the control plane's HTTP API on uvicorn."""
+
+from __future__ import annotations
+
+import click
+
+from orchestrator.cli_runtime import _settings
+
+
+@click.command()
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", default=8080, show_default=True, type=click.IntRange(1, 65535), help="Port.")
+@click.option("-v", "--verbose", is_flag=True, help="Log every request.")
+def server(host: str, port: int, verbose: bool) -> None:
+    """Serve the HTTP API (/api/v1, its OpenAPI document at /api/v1/openapi.json), /healthz and /readyz.
+    Every request needs a bearer token ('saga tokens create'); what it may do follows the token's role."""
+    import uvicorn
+
+    from orchestrator.server.app import create_app
+
+    settings = _settings()
+    uvicorn.run(
+        create_app(settings),
+        host=host,
+        port=port,
+        log_level="info" if verbose else "warning",
+        access_log=verbose,
+    )

@@ -1,0 +1,127 @@
+"""``saga tokens``: the bearer tokens the control-plane API accepts, and their roles.
+
+A token's secret is printed once, by ``create``, and stored only hashed. Every create and revoke is kept in
+an audit stream (who: ``SAGA_ACTOR``; when: Redis's clock). A refusal (a name a live token holds, a token
+not found) exits 1 and changes nothing; a bad option or Redis that cannot be reached exits 2.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import click
+
+from orchestrator.auth import tokens
+from orchestrator.auth.roles import Role
+from orchestrator.auth.tokens import TokenNameInvalid, TokenRecord
+from orchestrator.cli_runtime import _emit, _run, _settings
+
+_json = click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+
+
+def _checked(field: str) -> Any:
+    def check(ctx: click.Context, param: click.Parameter, value: str) -> str:
+        try:
+            return tokens.check_name(field, value)
+        except TokenNameInvalid as exc:
+            raise click.BadParameter(str(exc), ctx, param) from exc
+
+    return check
+
+
+@click.group(name="tokens")
+def tokens_group() -> None:
+    """Bearer tokens for the control-plane API: each has a name (the actor in audit records), a role
+    (viewer, author, approver, operator, admin) and a tenant. Revoking one refuses it at once."""
+
+
+@tokens_group.command(name="create")
+@click.option("--name", required=True, callback=_checked("name"), help="Unique among live tokens.")
+@click.option(
+    "--role",
+    required=True,
+    type=click.Choice([r.value for r in Role]),
+    help="viewer reads; author publishes; approver governs versions; operator runs; admin all, and tokens.",
+)
+@click.option("--tenant", default="default", show_default=True, callback=_checked("tenant"))
+@_json
+def tokens_create(name: str, role: str, tenant: str, as_json: bool) -> None:
+    """Create a token and print its secret (alone on stdout; the rest on stderr): the only time it is
+    shown, as only its hash is stored. A name a live token holds is refused: revoke that one first."""
+    settings = _settings()
+
+    async def create() -> tuple[str, TokenRecord]:
+        async with tokens.opened(settings) as store:
+            return await store.create(name, role, tenant, actor=settings.actor)
+
+    secret, record = _run(create())
+    if as_json:
+        _emit({**record.to_json(), "secret": secret, "warning": _WARNING})
+        return
+    # the secret alone on stdout (TOKEN=$(saga tokens create ...)); the rest for the person on stderr
+    click.echo(
+        f"created token {record.name} (id {record.token_id}, role {record.role}, tenant {tenant})", err=True
+    )
+    click.echo(secret)
+    click.echo(f"warning: {_WARNING}", err=True)
+
+
+_WARNING = "this secret is not shown again: store it now (a lost one cannot be recovered; revoke it)"
+
+
+@tokens_group.command(name="list")
+@_json
+def tokens_list(as_json: bool) -> None:
+    """Every token, live and revoked: id, name, role, tenant, who created it and when, and when it was
+    revoked. Never a secret."""
+    settings = _settings()
+
+    async def read() -> list[TokenRecord]:
+        async with tokens.opened(settings) as store:
+            return await store.list()
+
+    records = _run(read())
+    if as_json:
+        _emit([r.to_json() for r in records])
+        return
+    if not records:
+        click.echo("no tokens yet: saga tokens create --name NAME --role ROLE")
+        return
+    click.echo(f"{'ID':<13} {'NAME':<24} {'ROLE':<9} {'TENANT':<12} {'STATE':<8} CREATED")
+    for r in records:
+        state = "live" if r.live else "revoked"
+        made = f"{_when(r.created_at)} by {r.created_by}"
+        gone = f"; revoked {_when(r.revoked_at)} by {r.revoked_by}" if r.revoked_at is not None else ""
+        click.echo(f"{r.token_id:<13} {r.name:<24} {r.role:<9} {r.tenant:<12} {state:<8} {made}{gone}")
+
+
+@tokens_group.command(name="revoke")
+@click.argument("name_or_id")
+@_json
+def tokens_revoke(name_or_id: str, as_json: bool) -> None:
+    """Revoke the live token named NAME_OR_ID (or the token with that id): the API refuses its secret
+    from the next request on. A token already revoked (by id) changes nothing."""
+    settings = _settings()
+
+    async def revoke() -> tuple[TokenRecord, bool]:
+        async with tokens.opened(settings) as store:
+            return await store.revoke(name_or_id, settings.actor)
+
+    record, changed = _run(revoke())
+    if as_json:
+        _emit({**record.to_json(), "changed": changed})
+        return
+    if changed:
+        click.echo(f"revoked token {record.name} (id {record.token_id})")
+    else:
+        click.echo(
+            f"token {record.name} (id {record.token_id}) was already revoked "
+            f"{_when(record.revoked_at)} by {record.revoked_by}: nothing changed"
+        )
+
+
+def _when(at_ms: int | None) -> str:
+    if at_ms is None:
+        return ""
+    return time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime(at_ms / 1000))

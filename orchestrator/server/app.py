@@ -1,0 +1,79 @@
+"""The server's application: one Redis client, one broker client (for starts and requests), the
+registry definitions are compiled against, the token store; health, readiness and the API routers."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from orchestrator.allowlists import load_allowlist
+from orchestrator.auth.tokens import TokenStore
+from orchestrator.client import Client
+from orchestrator.contracts import Registry
+from orchestrator.server import definitions, operations, runs
+from orchestrator.server.errors import HANDLERS
+from orchestrator.settings import Settings, redis_client
+
+API_VERSION = "v1"
+
+
+def create_app(settings: Settings, registry: Registry | None = None) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        state = app.state
+        state.settings = settings
+        state.registry = registry or Registry.from_modules(settings.contracts)
+        state.allowlist = load_allowlist(settings.allowlist_file)
+        state.redis = redis_client(settings)
+        state.tokens = TokenStore(state.redis, settings.key_prefix)
+        async with Client(settings) as client:
+            state.client = client
+            try:
+                yield
+            finally:
+                await state.redis.aclose()
+
+    app = FastAPI(
+        title="saga-orchestrator control plane",
+        version=API_VERSION,
+        openapi_url=f"/api/{API_VERSION}/openapi.json",
+        docs_url=None,
+        redoc_url=None,
+        lifespan=lifespan,
+    )
+    for error, handler in HANDLERS:
+        app.add_exception_handler(error, handler)  # type: ignore[arg-type]
+    app.include_router(definitions.router)
+    app.include_router(runs.router)
+    app.include_router(operations.router)
+
+    @app.get("/healthz", tags=["health"])
+    async def healthz() -> dict[str, str]:
+        """The process is alive."""
+        return {"status": "ok"}
+
+    @app.get("/readyz", tags=["health"], response_model=None)
+    async def readyz(request: Request) -> Any:
+        """Redis and RabbitMQ answer: 200, else 503 naming what does not."""
+        problems = await _readiness(request)
+        body = {"status": "ready" if not problems else "not ready", "problems": problems}
+        return JSONResponse(body, status_code=503 if problems else 200)
+
+    return app
+
+
+async def _readiness(request: Request) -> list[str]:
+    state = request.app.state
+    problems = []
+    try:
+        await state.redis.ping()
+    except Exception as exc:  # any failure means not ready; the message says which
+        problems.append(f"Redis: {exc}")
+    connection = getattr(state.client, "_connection", None)
+    if connection is None or connection.is_closed:
+        problems.append("RabbitMQ: not connected")
+    return problems

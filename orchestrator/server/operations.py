@@ -1,0 +1,169 @@
+"""``/api/v1/dead-letters``, ``/api/v1/shards`` and ``/api/v1/tokens``: the operators' and admins' verbs of
+``saga dead-letters``, ``saga shards`` and ``saga tokens``."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Annotated, Any, TypeVar
+
+import aio_pika
+from fastapi import APIRouter, Depends, Query, Request
+from pydantic import BaseModel, Field
+
+from orchestrator import deadletters, shard_ops
+from orchestrator.auth.roles import Action, Identity
+from orchestrator.bus.connect import connect_once
+from orchestrator.bus.topology import topology_for
+from orchestrator.server.auth import Reader, require
+from orchestrator.store import shardmap_store
+
+router = APIRouter(prefix="/api/v1", tags=["operations"])
+DeadLetterHandler = Annotated[Identity, Depends(require(Action.HANDLE_DEAD_LETTERS))]
+ShardChanger = Annotated[Identity, Depends(require(Action.CHANGE_SHARDS))]
+TokenAdmin = Annotated[Identity, Depends(require(Action.MANAGE_TOKENS))]
+T = TypeVar("T")
+
+
+@asynccontextmanager
+async def _broker(request: Request) -> AsyncIterator[aio_pika.abc.AbstractConnection]:
+    connection = await connect_once(request.app.state.settings.amqp_url)
+    try:
+        yield connection
+    finally:
+        await connection.close()
+
+
+async def _queues(request: Request, queue: str | None) -> list[str]:
+    """The queue asked for (a dead-letter queue), or every dead-letter queue of the topology."""
+    settings = request.app.state.settings
+    if queue is not None:
+        return [deadletters.require_dead_letter_queue(queue, settings.names())]
+    shard_map = await shardmap_store.current_map(settings, seed=False)
+    topology = topology_for(settings, request.app.state.registry, shard_map)
+    return deadletters.dead_letter_queues(topology, settings.names())
+
+
+async def _on_queues(
+    request: Request,
+    queue: str | None,
+    call: Callable[[aio_pika.abc.AbstractConnection, list[str]], Awaitable[T]],
+) -> T:
+    queues = await _queues(request, queue)
+    async with _broker(request) as connection:
+        return await call(connection, queues)
+
+
+@router.get("/dead-letters", tags=["dead letters"])
+async def list_dead_letters(
+    request: Request,
+    _: Reader,
+    queue: str | None = None,
+    limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
+) -> dict[str, Any]:
+    """Per dead-letter queue: whether it exists, its count and its first ``limit`` messages."""
+    listings = await _on_queues(
+        request, queue, lambda c, qs: deadletters.list_queues(c, qs, limit, missing_ok=queue is None)
+    )
+    return {
+        "queues": [
+            {
+                "queue": q.queue,
+                "exists": q.exists,
+                "count": q.count,
+                "messages": [m.summary() for m in q.letters],
+            }
+            for q in listings
+        ]
+    }
+
+
+@router.get("/dead-letters/{message_id}", tags=["dead letters"])
+async def show_dead_letter(
+    message_id: str, request: Request, _: Reader, queue: str | None = None
+) -> list[dict[str, Any]]:
+    """Every copy of a dead letter: properties, headers and decoded body (404 if none)."""
+    found = await _on_queues(
+        request, queue, lambda c, qs: deadletters.show(c, qs, message_id, missing_ok=queue is None)
+    )
+    return [detail.document() for detail in found]
+
+
+class Replay(BaseModel):
+    message_id: str | None = Field(None, description="one dead letter (every copy of it); null: all")
+    queue: str | None = None
+
+
+@router.post("/dead-letters/replay", tags=["dead letters"])
+async def replay(body: Replay, request: Request, _: DeadLetterHandler) -> dict[str, Any]:
+    """Publish dead letters back to the queue they came from (each removed once the copy is confirmed)."""
+    done = await _on_queues(
+        request,
+        body.queue,
+        lambda c, qs: deadletters.replay(c, qs, body.message_id, missing_ok=body.queue is None),
+    )
+    return {
+        "replayed": [
+            {"message_id": d.letter.message_id, "queue": d.letter.queue, "target": d.target, "error": d.error}
+            for d in done
+        ]
+    }
+
+
+@router.get("/shards", tags=["shards"])
+async def list_shards(request: Request, _: Reader) -> dict[str, Any]:
+    """Every shard: state, queue depth and consumers, unfinished runs, outbox, timers, dead letters, and
+    the orchestrator process whose share it is."""
+    shard_map, loads = await shard_ops.shard_loads(request.app.state.settings)
+    return {"version": shard_map.version, "shards": [load.document() for load in loads]}
+
+
+class AddShards(BaseModel):
+    shard_class: str = Field(alias="class")
+    count: int = Field(ge=1, le=256)
+
+
+@router.post("/shards", tags=["shards"], status_code=201)
+async def add_shards(body: AddShards, request: Request, _: ShardChanger) -> dict[str, Any]:
+    """Add shards to a class (their queues declared, then they take new starts)."""
+    return {"added": await shard_ops.add(request.app.state.settings, body.shard_class, body.count)}
+
+
+@router.post("/shards/{shard}/drain", tags=["shards"])
+async def drain_shard(shard: str, request: Request, _: ShardChanger) -> dict[str, Any]:
+    """Stop new starts on a shard; its runs finish there."""
+    await shard_ops.drain(request.app.state.settings, shard)
+    return {"shard": shard, "state": "draining"}
+
+
+@router.post("/shards/{shard}/retire", tags=["shards"])
+async def retire_shard(shard: str, request: Request, _: ShardChanger) -> dict[str, Any]:
+    """Retire a drained shard that holds no work (409 otherwise)."""
+    await shard_ops.retire(request.app.state.settings, shard)
+    return {"shard": shard, "state": "retired"}
+
+
+class NewToken(BaseModel):
+    name: str
+    role: str
+    tenant: str = "default"
+
+
+@router.post("/tokens", tags=["tokens"], status_code=201)
+async def create_token(body: NewToken, request: Request, who: TokenAdmin) -> dict[str, Any]:
+    """A new token: its secret is in this answer only (only its hash is kept)."""
+    secret, record = await request.app.state.tokens.create(body.name, body.role, body.tenant, actor=who.name)
+    return {"token": secret, **record.to_json()}
+
+
+@router.get("/tokens", tags=["tokens"])
+async def list_tokens(request: Request, _: TokenAdmin) -> list[dict[str, Any]]:
+    """Every token (never its secret)."""
+    return [record.to_json() for record in await request.app.state.tokens.list()]
+
+
+@router.post("/tokens/{name_or_id}/revoke", tags=["tokens"])
+async def revoke_token(name_or_id: str, request: Request, who: TokenAdmin) -> dict[str, Any]:
+    """Revoke a token: it is refused from the next request on."""
+    record, changed = await request.app.state.tokens.revoke(name_or_id, actor=who.name)
+    return {**record.to_json(), "changed": changed}

@@ -1,0 +1,100 @@
+"""``/api/v1/runs``: start (with an idempotency key), list with filters and a cursor, status, history,
+cancel and re-drive, as the CLI's run commands do them, the token's identity named in history."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Query, Request
+from pydantic import BaseModel, Field
+
+from orchestrator import observe
+from orchestrator.client import Client
+from orchestrator.server.auth import Canceller, Reader, Redriver, Starter
+from orchestrator.server.errors import ApiError
+
+router = APIRouter(prefix="/api/v1/runs", tags=["runs"])
+
+MAX_PAGE = 500
+
+
+class Start(BaseModel):
+    definition: str
+    context: dict[str, Any] = Field(default_factory=dict)
+    idempotency_key: str | None = Field(None, description="the same key and context always give the same run")
+    version: str | None = Field(
+        None, description="any approved, not retired version (default: the active one)"
+    )
+
+
+class RunRequest(BaseModel):
+    reason: str = ""
+    undo_lost: bool = Field(
+        False, description="re-drive: the undo a poison message left in flight will never report"
+    )
+
+
+def _client(request: Request) -> Client:
+    client: Client = request.app.state.client
+    return client
+
+
+@router.post("", status_code=202)
+async def start(request: Request, body: Start, _: Starter) -> dict[str, Any]:
+    """Start a run; 202 with its id once the broker has the start (the run is created by its shard)."""
+    run_id = await _client(request).start(body.definition, body.context, body.idempotency_key, body.version)
+    return {"run_id": run_id, "state": "pending"}
+
+
+def _cursor(text: str | None) -> tuple[int, str] | None:
+    if not text:
+        return None
+    created, _, run_id = text.partition(":")
+    if not created.isdigit() or not run_id:
+        raise ApiError(400, "invalid_request", f"cursor {text!r} is not one this API gave: use next_cursor")
+    return int(created), run_id
+
+
+@router.get("")
+async def list_runs(
+    request: Request,
+    _: Reader,
+    state: str | None = None,
+    definition: str | None = None,
+    version: str | None = None,
+    since_ms: Annotated[int | None, Query(ge=0)] = None,
+    limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 50,
+    cursor: str | None = None,
+) -> dict[str, Any]:
+    """Runs newest first, filtered; ``next_cursor`` (when there may be more) gives the next page."""
+    wanted = observe.RunFilter(state, definition, version, since_ms, limit, _cursor(cursor))
+    rows = await observe.list_runs(request.app.state.settings, wanted)
+    last = rows[-1] if len(rows) == limit else None
+    return {"runs": rows, "next_cursor": f"{last['created_at']}:{last['run_id']}" if last else None}
+
+
+@router.get("/{run_id}")
+async def status(run_id: str, request: Request, _: Reader) -> dict[str, Any]:
+    """A run as ``saga status --json`` shows it (``refused``: its start created no run, and why)."""
+    app = request.app.state
+    return await observe.status_view(app.redis, app.settings, run_id)
+
+
+@router.get("/{run_id}/history")
+async def history(run_id: str, request: Request, _: Reader) -> dict[str, Any]:
+    app = request.app.state
+    return {"run_id": run_id, "events": await observe.run_history(app.redis, app.settings.key_prefix, run_id)}
+
+
+@router.post("/{run_id}/cancel", status_code=202)
+async def cancel(run_id: str, body: RunRequest, request: Request, who: Canceller) -> dict[str, Any]:
+    """Ask the run's shard to cancel it (409 for a run that has ended or is ending)."""
+    request_id = await _client(request).cancel(run_id, body.reason, who.name)
+    return {"run_id": run_id, "request": request_id}
+
+
+@router.post("/{run_id}/redrive", status_code=202)
+async def redrive(run_id: str, body: RunRequest, request: Request, who: Redriver) -> dict[str, Any]:
+    """Resume a failed run in a new epoch on its pinned plan (409 for a run that is not failed)."""
+    request_id = await _client(request).redrive(run_id, body.reason, who.name, undo_lost=body.undo_lost)
+    return {"run_id": run_id, "request": request_id}
