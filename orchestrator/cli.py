@@ -10,13 +10,16 @@ one shape (``error: ...`` on stderr, or with ``--json`` an error document on std
 from __future__ import annotations
 
 import asyncio
+import base64
+import dataclasses
 import functools
 import json
 import logging
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
+from urllib.parse import quote
 
 import aio_pika
 import aiormq
@@ -35,6 +38,7 @@ from orchestrator.compiler.allowlist import Allowlist, AllowlistError
 from orchestrator.compiler.mermaid import render_mermaid
 from orchestrator.contracts import Registry
 from orchestrator.errors import ContractError, ContractLoadError, DefinitionError, Problem, SagaError
+from orchestrator.remote import SERVER_META, refuse_local_registry, refuse_remote, remote_client
 from orchestrator.settings import Settings
 from orchestrator.shardmap import ShardMap
 from orchestrator.store import shardmap_store
@@ -116,16 +120,40 @@ def _emit_json(value: Any) -> None:
     cls=SagaGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100}
 )
 @click.version_option(package_name="saga-orchestrator", prog_name="saga")
-def main() -> None:
+@click.option(
+    "--server",
+    "server_url",
+    default=None,
+    metavar="URL",
+    help="Go through the control-plane API at URL ('saga server'), with the token in $SAGA_TOKEN, instead "
+    "of RabbitMQ and Redis: start, status, wait, watch, history, runs, cancel, redrive, definitions, "
+    "dead-letters (not purge), shards and tokens. Overrides $SAGA_SERVER_URL; '' goes direct. Commands "
+    "without an API twin refuse it (exit 2).",
+)
+@click.pass_context
+def main(ctx: click.Context, server_url: str | None) -> None:
     """saga-orchestrator: versioned multi-stage workflows (sagas) on RabbitMQ and Redis.
 
     Validate, compile and publish workflow definitions; declare the broker topology; run orchestrators
     and worker pools; start, inspect, cancel and re-drive runs; repair stranded work and handle dead
     letters. Settings come from SAGA_* variables (SAGA_AMQP_URL, SAGA_REDIS_URL, SAGA_NAMESPACE...).
+    With --server URL (or SAGA_SERVER_URL) the commands that have an API twin go through that server,
+    acting as the token in SAGA_TOKEN, and print the same output.
 
     Exit codes: 0 done, 1 refused, failed or not found, 2 usage or configuration error (RabbitMQ or Redis
     unreachable included), 3 still running when a wait ended (wait, watch, --wait). With --json, an error
     is {"error": {"code", "message", "ids"}} on stdout."""
+    ctx.meta[SERVER_META] = server_url
+    command = ctx.invoked_subcommand
+    if command in _PROCESSES:  # a deployment's SAGA_SERVER_URL must not stop its processes
+        refuse_remote(command, explicit_only=True)
+    elif command in _DIRECT_ONLY:
+        refuse_remote(command)
+
+
+#: Commands with no API twin, refused when a server URL is set (the processes: only given --server).
+_PROCESSES = frozenset({"orchestrator", "worker", "server"})
+_DIRECT_ONLY = frozenset({"reconcile", "topology"})
 
 
 @main.command()
@@ -207,6 +235,8 @@ def contracts_list(as_json: bool, live: bool, modules: tuple[str, ...], registry
     """List every registered contract with its kind and default queue; with --live, what serves each
     version now and which runs wait on it (a version with pinned runs and no live worker: its tasks wait
     for one)."""
+    if live:
+        refuse_remote("contracts list --live")
     env = _env(modules, registry_file)
     registry = env.registry
     if live:
@@ -464,6 +494,41 @@ def _print_listing(listing: deadletters.QueueListing) -> None:
         click.echo(f"  ... and {listing.count - len(listing.letters)} more (raise --limit to see them)")
 
 
+def _run_remote(call: Coroutine[Any, Any, T]) -> T:
+    return asyncio.run(call)
+
+
+def _listing_of(document: dict[str, Any]) -> deadletters.QueueListing:
+    """A queue's listing from the API's (the ``list --json`` entry)."""
+    queue = str(document["queue"])
+    letters = tuple(_letter_of({**m, "queue": queue}) for m in document["messages"])
+    return deadletters.QueueListing(queue, bool(document["exists"]), int(document["count"]), letters)
+
+
+def _letter_of(summary: dict[str, Any]) -> deadletters.DeadLetter:
+    fields = {f.name for f in dataclasses.fields(deadletters.DeadLetter)}
+    return deadletters.DeadLetter(**{k: v for k, v in summary.items() if k in fields})
+
+
+def _detail_of(document: dict[str, Any]) -> deadletters.Detail:
+    """A dead letter's detail from the API's (the ``show --json`` entry)."""
+    letter = _letter_of(document)
+    body = document["body"]
+    raw = base64.b64decode(body) if document["body_format"] == "base64" else json.dumps(body).encode()
+    return deadletters.Detail(letter, document["properties"], document["headers"], raw)
+
+
+def _replayed_row(item: deadletters.Replayed) -> dict[str, Any]:
+    """A replay's outcome as the API says it."""
+    letter = item.letter
+    return {
+        "message_id": letter.message_id,
+        "queue": letter.queue,
+        "target": item.target,
+        "error": item.error,
+    }
+
+
 _queue_option = click.option(
     "--queue",
     "queue",
@@ -499,8 +564,16 @@ def dead_letters_list(
 ) -> None:
     """Per queue: its count, and per message its id, kind, run, stage, reason and original queue. Text
     shows the queues that hold messages (or are not declared), then a summary on stderr."""
-    queues = _dead_letter_queues(queue, modules, registry_file)
-    listings = _on_broker(lambda c: deadletters.list_queues(c, queues, limit, missing_ok=queue is None))
+    if remote := remote_client():
+        refuse_local_registry(modules, registry_file)
+        params = {"queue": queue, "limit": limit}
+        found = _run_remote(remote.request("GET", "/dead-letters", params=params))["queues"]
+        listings = [_listing_of(q) for q in found]
+        read_where = f"through {remote.url}"
+    else:
+        queues = _dead_letter_queues(queue, modules, registry_file)
+        listings = _on_broker(lambda c: deadletters.list_queues(c, queues, limit, missing_ok=queue is None))
+        read_where = f"of namespace {load_settings().namespace!r}"
     if as_json:
         _emit_json(
             {
@@ -523,7 +596,7 @@ def dead_letters_list(
     holding = sum(1 for q in listings if q.count)
     click.echo(
         f"{_count(total, 'dead letter')} in {_count(holding, 'queue')} "
-        f"({_count(len(listings), 'dead-letter queue')} of namespace {load_settings().namespace!r} read)",
+        f"({_count(len(listings), 'dead-letter queue')} {read_where} read)",
         err=True,
     )
 
@@ -537,8 +610,13 @@ def dead_letters_show(
     message_id: str, queue: str | None, as_json: bool, modules: tuple[str, ...], registry_file: str | None
 ) -> None:
     """A dead letter's headers and decoded body (every copy, if the id is there more than once)."""
-    queues = _dead_letter_queues(queue, modules, registry_file)
-    found = _on_broker(lambda c: deadletters.show(c, queues, message_id, missing_ok=queue is None))
+    if remote := remote_client():
+        refuse_local_registry(modules, registry_file)
+        path = f"/dead-letters/{quote(message_id, safe='')}"
+        found = [_detail_of(d) for d in _run_remote(remote.request("GET", path, params={"queue": queue}))]
+    else:
+        queues = _dead_letter_queues(queue, modules, registry_file)
+        found = _on_broker(lambda c: deadletters.show(c, queues, message_id, missing_ok=queue is None))
     if as_json:
         _emit_json([detail.document() for detail in found])
         return
@@ -570,17 +648,23 @@ def dead_letters_replay(
     the broker confirms the copy. Exit 1 if any could not be replayed (they stay where they were)."""
     if (message_id is None) == (not replay_all):
         raise click.UsageError("give either a MESSAGE_ID or --all (not both)")
-    queues = _dead_letter_queues(queue, modules, registry_file)
-    done = _on_broker(lambda c: deadletters.replay(c, queues, message_id, missing_ok=queue is None))
+    if remote := remote_client():
+        refuse_local_registry(modules, registry_file)
+        body = {"message_id": message_id, "queue": queue}
+        done = _run_remote(remote.request("POST", "/dead-letters/replay", body=body))["replayed"]
+    else:
+        queues = _dead_letter_queues(queue, modules, registry_file)
+        replayed = _on_broker(lambda c: deadletters.replay(c, queues, message_id, missing_ok=queue is None))
+        done = [_replayed_row(item) for item in replayed]
     for item in done:
-        letter = item.letter
-        if item.error is None:
+        if item["error"] is None:
             click.echo(
-                f"replayed {deadletters.printable(letter.message_id)} from {letter.queue} to {item.target}"
+                f"replayed {deadletters.printable(item['message_id'])} from {item['queue']} to "
+                f"{item['target']}"
             )
         else:
-            click.echo(f"error: {deadletters.printable(item.error)}", err=True)
-    failed = sum(1 for item in done if item.error is not None)
+            click.echo(f"error: {deadletters.printable(item['error'])}", err=True)
+    failed = sum(1 for item in done if item["error"] is not None)
     click.echo(f"replayed {len(done) - failed} of {len(done)}", err=True)
     sys.exit(1 if failed else 0)
 
@@ -595,6 +679,7 @@ def dead_letters_purge(
 ) -> None:
     """Delete every message on the namespace's dead-letter queues (or --queue) for good, and say how
     many each held. Refuses without --yes (exit 2); 'list' shows first what would go."""
+    refuse_remote("dead-letters purge")
     if not yes:
         raise click.UsageError("purge deletes dead letters for good: pass --yes (see them first with 'list')")
     queues = _dead_letter_queues(queue, modules, registry_file)

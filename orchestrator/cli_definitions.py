@@ -9,19 +9,27 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import click
 
 from orchestrator.cli_options import registry_options
 from orchestrator.cli_runtime import _emit, _run, _settings
 from orchestrator.governance import service
-from orchestrator.governance.diff import diff_plans
+from orchestrator.governance.diff import PlanDiff, diff_plans
 from orchestrator.governance.lifecycle import Change, DefinitionState, LifecycleRefused, VersionRecord
+from orchestrator.remote import Remote, refuse_local_registry, remote_client
 
 _json = click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 _reason = click.option("--reason", default="", help="Why: kept in the audit record.")
 _version = click.option("--version", "version", required=True, metavar="V", help="The version, e.g. 2.4.0.")
+
+
+def _api_path(name: str, tail: str = "") -> str:
+    """A definition's path in the API (``/api/v1`` left out)."""
+    return f"/definitions/{quote(name, safe='')}{tail}"
 
 
 @click.group()
@@ -52,6 +60,21 @@ def definitions_publish(
     (approve it, then activate it or put it on a canary). The same file again changes nothing; another
     file under a stored name and version is refused: bump its version. An invalid definition exits 1 with
     its problems, and then nothing is published."""
+    if remote := remote_client():
+        rows = _run(_publish_remote(remote, files, activate, reason, modules, registry_file))
+    else:
+        rows = _publish(files, activate, reason, modules, registry_file)
+    if as_json:
+        _emit(rows)
+        return
+    for row in rows:
+        note = "" if row["changed"] else " (already published: nothing changed)"
+        click.echo(f"{row['definition']} {row['version']} {row['digest']} is {row['state']}{note}")
+
+
+def _publish(
+    files: tuple[str, ...], activate: bool, reason: str, modules: tuple[str, ...], registry_file: str | None
+) -> list[dict[str, Any]]:
     from orchestrator.cli import Env  # after main exists: cli imports this module
 
     settings = _settings()
@@ -73,12 +96,35 @@ def definitions_publish(
                 "changed": not change.noop,
             }
         )
-    if as_json:
-        _emit(rows)
-        return
-    for row in rows:
-        note = "" if row["changed"] else " (already published: nothing changed)"
-        click.echo(f"{row['definition']} {row['version']} {row['digest']} is {row['state']}{note}")
+    return rows
+
+
+async def _publish_remote(
+    remote: Remote,
+    files: tuple[str, ...],
+    activate: bool,
+    reason: str,
+    modules: tuple[str, ...],
+    registry_file: str | None,
+) -> list[dict[str, Any]]:
+    """Each file in its own request, in order, compiled by the server against its contracts; the first
+    refusal stops the rest (those before it stay published)."""
+    refuse_local_registry(modules, registry_file)
+    rows = []
+    for path in files:
+        try:
+            source = Path(path).read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise click.BadParameter(f"cannot read {path}: {exc}", param_hint="FILES") from exc
+        body = {"source": source, "file": path, "activate": activate, "reason": reason}
+        answer = await remote.request("POST", "/definitions", body=body)
+        rows.append(
+            {
+                "file": path,
+                **{k: answer[k] for k in ("definition", "version", "digest", "state", "changed")},
+            }
+        )
+    return rows
 
 
 @definitions.command(name="list")
@@ -87,13 +133,11 @@ def definitions_publish(
 def definitions_list(name: str | None, as_json: bool) -> None:
     """Every version of every definition (or of NAME): state, digest, who published, approved and
     activated it and when, and its runs not yet finished."""
-    settings = _settings()
-
-    async def read() -> tuple[list[DefinitionState], dict[str, int]]:
-        return await service.states(settings, name), await service.unfinished(settings)
-
-    states, unfinished = _run(read())
-    rows = [_row(state, record, unfinished) for state in states for record in state.versions.values()]
+    if remote := remote_client():
+        answer = _run(remote.request("GET", _api_path(name) if name else "/definitions"))
+        rows = answer["versions"] if name else answer
+    else:
+        rows = _rows(name)
     if as_json:
         _emit(rows)
         return
@@ -107,6 +151,16 @@ def definitions_list(name: str | None, as_json: bool) -> None:
             f"{row['definition']:<24} {row['version']:<10} {state:<9} {row['unfinished_runs']:>5}  "
             f"{row['digest'][:19]:<19} {_who(row)}"
         )
+
+
+def _rows(name: str | None) -> list[dict[str, Any]]:
+    settings = _settings()
+
+    async def read() -> tuple[list[DefinitionState], dict[str, int]]:
+        return await service.states(settings, name), await service.unfinished(settings)
+
+    states, unfinished = _run(read())
+    return [_row(state, record, unfinished) for state in states for record in state.versions.values()]
 
 
 def _row(state: DefinitionState, record: VersionRecord, unfinished: Mapping[str, int]) -> dict[str, Any]:
@@ -145,11 +199,14 @@ def definitions_show(name: str, version: str | None, as_json: bool) -> None:
         (state,) = await service.states(settings, name)
         return state, await service.audit(settings, name), await service.unfinished(settings)
 
-    state, audit, unfinished = _run(read())
+    if remote := remote_client():
+        state, audit, unfinished = _shown(_run(remote.request("GET", _api_path(name))))
+    else:
+        state, audit, unfinished = _run(read())
     records = [state.record(version)] if version else list(state.versions.values())
     if version:
         audit = [a for a in audit if a["version"] == version]
-    document = {
+    document: dict[str, Any] = {
         "definition": name,
         "active": state.active,
         "canary": state.canary,
@@ -172,6 +229,19 @@ def definitions_show(name: str, version: str | None, as_json: bool) -> None:
         click.echo(f"  {_when(a['at'])} {a['actor']} {a['action']} {a['version']}: {moved}{why}")
 
 
+def _shown(answer: dict[str, Any]) -> tuple[DefinitionState, list[dict[str, Any]], dict[str, int]]:
+    """What ``show`` reads, from the API's answer (which is ``show --json`` of every version)."""
+    rows = answer["versions"]
+    state = DefinitionState(
+        name=answer["definition"],
+        versions={row["version"]: VersionRecord.from_json(row) for row in rows},
+        active=answer["active"],
+        canary=answer["canary"],
+        canary_percent=answer["canary_percent"] or 0,
+    )
+    return state, answer["audit"], {row["digest"]: row["unfinished_runs"] for row in rows}
+
+
 @definitions.command(name="diff")
 @click.argument("name")
 @click.argument("old_version", metavar="V1")
@@ -187,8 +257,11 @@ def definitions_diff(name: str, old_version: str, new_version: str, as_json: boo
         old, new = state.record(old_version), state.record(new_version)
         return await service.plan_of(settings, old.digest), await service.plan_of(settings, new.digest)
 
-    old_plan, new_plan = _run(read())
-    diff = diff_plans(old_plan, new_plan)
+    if remote := remote_client():
+        params = {"v1": old_version, "v2": new_version}
+        diff = PlanDiff.from_json(_run(remote.request("GET", _api_path(name, "/diff"), params=params)))
+    else:
+        diff = diff_plans(*_run(read()))
     if as_json:
         _emit({"definition": name, "from": old_version, "to": new_version, **diff.to_json()})
         return
@@ -200,6 +273,11 @@ def definitions_diff(name: str, old_version: str, new_version: str, as_json: boo
 def _act(
     verb: str, name: str, reason: str, as_json: bool, version: str | None = None, percent: int = 0
 ) -> None:
+    if remote := remote_client():
+        body = {"version": version, "percent": percent, "reason": reason}
+        answer = _run(remote.request("POST", _api_path(name, f"/{verb}"), body=body))
+        _show_change(answer, as_json, verb, name)
+        return
     settings = _settings()
     request = service.Request(
         actor=settings.actor,
@@ -212,24 +290,26 @@ def _act(
 
 
 def _report(change: Change, as_json: bool, verb: str, name: str) -> None:
-    records = [r.to_fields() for r in change.records]
+    after = change.after
+    document = {
+        "definition": name,
+        "changed": not change.noop,
+        "active": after.active,
+        "canary": after.canary,
+        "canary_percent": after.canary_percent if after.canary else None,
+        "records": [r.to_fields() for r in change.records],
+    }
+    _show_change(document, as_json, verb, name)
+
+
+def _show_change(document: dict[str, Any], as_json: bool, verb: str, name: str) -> None:
     if as_json:
-        after = change.after
-        _emit(
-            {
-                "definition": name,
-                "changed": not change.noop,
-                "active": after.active,
-                "canary": after.canary,
-                "canary_percent": after.canary_percent if after.canary else None,
-                "records": records,
-            }
-        )
+        _emit(document)
         return
-    if change.noop:
+    if not document["changed"]:
         click.echo(f"{name}: nothing to {verb}: already so")
-    for r in change.records:
-        click.echo(f"{name} {r.version}: {r.from_state or '-'} -> {r.to_state}")
+    for r in document["records"]:
+        click.echo(f"{name} {r['version']}: {r['from'] or '-'} -> {r['to']}")
 
 
 @definitions.command(name="approve")

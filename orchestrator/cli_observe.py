@@ -14,6 +14,7 @@ from orchestrator import observe, views
 from orchestrator.cli_runtime import _emit, _run, _settings
 from orchestrator.client import REFUSED, WaitTimeout
 from orchestrator.engine.model import RunStatus, StageStatus
+from orchestrator.remote import remote_client
 from orchestrator.settings import Settings, redis_client
 from orchestrator.store import worker_registry
 from orchestrator.store.redis_store import PlanNotFound, RedisStore
@@ -45,6 +46,9 @@ def status(run_id: str, inputs: bool, as_json: bool) -> None:
     A dispatched stage says why it waits when that is known: no live worker serves its pinned contract
     version, no worker consumes its queue, or another task holds the serial lane. Exit 1 if the run is
     not known."""
+    if remote := remote_client():
+        _show_status(_run(remote.status(run_id, inputs=inputs)), inputs, as_json)
+        return
     settings = _settings()
 
     async def go() -> tuple[dict[str, Any], str | None]:
@@ -64,6 +68,10 @@ def status(run_id: str, inputs: bool, as_json: bool) -> None:
     if broker_error:
         view["waiting_unknown"] = broker_error
         click.echo(f"note: why dispatched stages wait is not known: {broker_error}", err=True)
+    _show_status(view, inputs, as_json)
+
+
+def _show_status(view: dict[str, Any], inputs: bool, as_json: bool) -> None:
     if as_json:
         _emit(view)
         return
@@ -127,20 +135,12 @@ def wait(run_id: str, timeout_s: float, as_json: bool) -> None:
     """Wait for a run to end (finalisers included). Exit 0 if it completed; 1 if it failed (its reason
     on stderr) or is not known (after 5 s: a run just started may not be created yet); 3 if it is still
     going when the timeout passes."""
-    settings = _settings()
-
-    async def go() -> dict[str, Any] | None:
-        client = redis_client(settings)
-        try:
-
-            async def read() -> dict[str, Any]:
-                return await observe.run_document(client, settings.key_prefix, run_id)
-
-            return await observe.follow(read, run_id, timeout_s=timeout_s, interval_s=0.1)
-        finally:
-            await client.aclose()
-
-    document = _run(go())
+    if remote := remote_client():
+        document = _run(
+            observe.follow(lambda: remote.status(run_id), run_id, timeout_s=timeout_s, interval_s=0.2)
+        )
+    else:
+        document = _run(_wait(_settings(), run_id, timeout_s))
     code = _finished(document, run_id, timeout_s, quiet=as_json)
     state = document["state"] if document else "pending"
     if as_json:
@@ -158,6 +158,18 @@ def wait(run_id: str, timeout_s: float, as_json: bool) -> None:
     elif code == 1:
         click.echo(f"run {run_id} {state}")
     sys.exit(code)
+
+
+async def _wait(settings: Settings, run_id: str, timeout_s: float) -> dict[str, Any] | None:
+    client = redis_client(settings)
+    try:
+
+        async def read() -> dict[str, Any]:
+            return await observe.run_document(client, settings.key_prefix, run_id)
+
+        return await observe.follow(read, run_id, timeout_s=timeout_s, interval_s=0.1)
+    finally:
+        await client.aclose()
 
 
 @click.command()
@@ -182,7 +194,6 @@ def watch(run_id: str, interval_s: float, timeout_s: float | None) -> None:
     a join waiting until a branch arrived) and why a dispatched stage waits, until the run ends. On a
     terminal the table is redrawn in place; otherwise it is printed again only when a row changes. Exits
     as 'saga wait' does: 0 completed, 1 failed or not known, 3 still going at --timeout."""
-    settings = _settings()
     table = views.LiveTable(sys.stdout.isatty())
 
     def show(document: dict[str, Any] | None, elapsed_s: float) -> None:
@@ -192,7 +203,13 @@ def watch(run_id: str, interval_s: float, timeout_s: float | None) -> None:
         if text is not None:
             click.echo(text, nl=False)
 
-    document = _run(_watch(settings, run_id, interval_s, timeout_s, show))
+    if remote := remote_client():
+        reading = observe.follow(
+            lambda: remote.status(run_id), run_id, timeout_s=timeout_s, interval_s=interval_s, show=show
+        )
+        document = _run(reading)
+    else:
+        document = _run(_watch(_settings(), run_id, interval_s, timeout_s, show))
     sys.exit(_finished(document, run_id, timeout_s))
 
 
@@ -219,21 +236,32 @@ async def _watch(
 def history(run_id: str, as_json: bool) -> None:
     """Show a run's durable history, event by event: sequence, time (ISO 8601, UTC), kind, stage,
     attempt and the event's details."""
-    settings = _settings()
-
-    async def go() -> list[dict[str, Any]]:
-        client = redis_client(settings)
-        try:
-            return await observe.run_history(client, settings.key_prefix, run_id)
-        finally:
-            await client.aclose()
-
-    events = _run(go())
+    if remote := remote_client():
+        events = _run(remote.history(run_id))
+    else:
+        events = _run(_history(_settings(), run_id))
     if as_json:
         _emit({"run_id": run_id, "events": events})
         return
     for event in events:
         click.echo(views.history_line(event))
+
+
+async def _history(settings: Settings, run_id: str) -> list[dict[str, Any]]:
+    client = redis_client(settings)
+    try:
+        return await observe.run_history(client, settings.key_prefix, run_id)
+    finally:
+        await client.aclose()
+
+
+def _cursor(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[int, str] | None:
+    if value is None:
+        return None
+    try:
+        return observe.parse_cursor(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from exc
 
 
 def _since(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
@@ -266,26 +294,41 @@ def _since(ctx: click.Context, param: click.Parameter, value: str | None) -> int
 @click.option(
     "--limit", type=click.IntRange(min=1), default=50, show_default=True, help="At most this many runs."
 )
-@click.option("--json", "as_json", is_flag=True, help='Print JSON: {"runs": [...]}.')
+@click.option(
+    "--cursor",
+    "after",
+    default=None,
+    metavar="CURSOR",
+    callback=_cursor,
+    help="Start after the page that gave this next_cursor (see --json).",
+)
+@click.option("--json", "as_json", is_flag=True, help='Print JSON: {"runs": [...], "next_cursor"}.')
 def runs(
     state: str | None,
     definition: str | None,
     version: str | None,
     since_ms: int | None,
     limit: int,
+    after: tuple[int, str] | None,
     as_json: bool,
 ) -> None:
     """List runs of every shard, newest first: run id, definition, version, state, created and last
-    updated (ISO 8601, UTC) and reason."""
-    wanted = observe.RunFilter(state, definition, version, since_ms, limit)
-    found = _run(observe.list_runs(_settings(), wanted))
+    updated (ISO 8601, UTC) and reason. A full page ends with its next_cursor: --cursor gives the page
+    after it (runs started meanwhile never shift it)."""
+    wanted = observe.RunFilter(state, definition, version, since_ms, limit, after)
+    if remote := remote_client():
+        found, next_cursor = _run(remote.list_runs(wanted))
+    else:
+        found = _run(observe.list_runs(_settings(), wanted))
+        next_cursor = observe.page_cursor(found, limit)
     if as_json:
-        _emit({"runs": found})
+        _emit({"runs": found, "next_cursor": next_cursor})
         return
     for line in views.runs_lines(found):
         click.echo(line)
-    if len(found) == limit:
-        click.echo(f"(the newest {limit}: raise --limit, or narrow with --since)", err=True)
+    if next_cursor is not None:
+        more = f"raise --limit, narrow with --since, or page on with --cursor {next_cursor}"
+        click.echo(f"(a full page of {limit}: {more})", err=True)
 
 
 COMMANDS = [status, wait, watch, history, runs]

@@ -31,3 +31,23 @@ def registry_options(fn: F) -> F:
         help="A registry serialised by 'saga contracts export' instead of modules.",
     )(fn)
     return fn
+
+
+def metrics_options(fn: F) -> F:
+    """``--metrics-port PORT`` and ``--metrics-host HOST``: serve Prometheus metrics on ``/metrics``
+    (``orchestrator/metrics.py``); the command gets them as ``metrics_port`` and ``metrics_host``."""
+    fn = click.option(
+        "--metrics-host",
+        default="127.0.0.1",
+        show_default=True,
+        metavar="HOST",
+        help="Address the metrics server binds (0.0.0.0: every interface, as in a container).",
+    )(fn)
+    fn = click.option(
+        "--metrics-port",
+        type=click.IntRange(0, 65535),
+        default=None,
+        metavar="PORT",
+        help="Serve Prometheus metrics on http://HOST:PORT/metrics (default: no metrics server).",
+    )(fn)
+    return fn

@@ -17,15 +17,18 @@ from typing import TYPE_CHECKING, Any
 import aio_pika
 import click
 
+from orchestrator import logs, metrics
 from orchestrator.bus import names
 from orchestrator.bus.connect import connect_robust, untracked_channel
 from orchestrator.bus.envelope import Signer
 from orchestrator.bus.publisher import Publisher
 from orchestrator.cli_errors import SERVICE_ERRORS, CliError, CodedUsageError, unreachable
+from orchestrator.cli_options import metrics_options
 from orchestrator.client import Client, RedriveRefused
 from orchestrator.durability import DurabilityRefused, Role, check_startup
 from orchestrator.observe import RunFilter, list_runs
 from orchestrator.reconcile import Reconciler, Report
+from orchestrator.remote import Remote, remote_client
 from orchestrator.settings import Settings, redis_client
 from orchestrator.shard.processor import Processor
 from orchestrator.shard.service import ShardOptions, ShardService
@@ -84,19 +87,36 @@ def _serve(make: Any) -> None:
         raise unreachable(exc) from exc
 
 
+def _serve_metrics(host: str, port: int | None) -> None:
+    """Serve /metrics when --metrics-port is given; a port that cannot be bound is a usage error."""
+    if port is None:
+        return
+    try:
+        metrics.serve_metrics(host, port)
+    except OSError as exc:
+        raise CodedUsageError(
+            "metrics_port_unavailable", f"--metrics-port {port}: cannot serve metrics on {host}:{port}: {exc}"
+        ) from exc
+
+
 @click.command()
 @click.option("--class", "shard_class", default=None, help="Serve only this shard class (default: all).")
 @click.option("--shards", default="", help="Shard numbers: '0-3', '1,3' (default: all).")
-@click.option("-v", "--verbose", is_flag=True, help="Log at INFO level.")
-def orchestrator(shard_class: str | None, shards: str, verbose: bool) -> None:
+@click.option(
+    "-v",
+    "--verbose",
+    is_flag=True,
+    help="Log at INFO level (on stderr; SAGA_LOG_FORMAT=json: one JSON object per line).",
+)
+@metrics_options
+def orchestrator(
+    shard_class: str | None, shards: str, verbose: bool, metrics_port: int | None, metrics_host: str
+) -> None:
     """Consume shard queues and advance runs. Without --shards the process joins the others that follow
     the shard map: the live ones divide the served shards of their classes evenly among themselves, and
     take over the shards of one that stops or dies (its lease ends) within seconds. --shards pins it."""
-    logging.basicConfig(
-        level=logging.INFO if verbose else logging.WARNING,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
     settings = _settings()
+    logs.configure(settings, verbose)
     _require_durability(settings, Role.ORCHESTRATOR)
     try:
         shard_map = asyncio.run(current_map(settings, seed=False))
@@ -126,6 +146,7 @@ def orchestrator(shard_class: str | None, shards: str, verbose: bool) -> None:
             crash_points=frozenset(settings.crash_points),
             poison_after=settings.delivery_limit - 1,
             redis_timeout_s=settings.redis_timeout_s,
+            metrics_interval_s=None if metrics_port is None else 1.0,
         )
 
         me = membership.process_id()
@@ -158,7 +179,8 @@ def orchestrator(shard_class: str | None, shards: str, verbose: bool) -> None:
         return service, cleanup
 
     pinned_to = f"shards {', '.join(shard_ids)}" if shards else f"its share of {', '.join(classes)}"
-    click.echo(f"orchestrator serving {pinned_to}", err=True)
+    logs.announce(settings, logging.getLogger(__name__), f"orchestrator serving {pinned_to}")
+    _serve_metrics(metrics_host, metrics_port)
     _serve(make)
 
 
@@ -220,19 +242,29 @@ def _where(handler: Handler) -> str:
     "tasks.parallel and tasks.actions). Tasks reach this worker only for the contracts it has handlers for.",
 )
 @click.option("--concurrency", default=8, show_default=True, help="Tasks run at once by this process.")
-@click.option("-v", "--verbose", is_flag=True, help="Log at INFO level.")
-def worker(apps: tuple[str, ...], queues: tuple[str, ...], concurrency: int, verbose: bool) -> None:
+@click.option(
+    "-v",
+    "--verbose",
+    is_flag=True,
+    help="Log at INFO level (on stderr; SAGA_LOG_FORMAT=json: one JSON object per line).",
+)
+@metrics_options
+def worker(
+    apps: tuple[str, ...],
+    queues: tuple[str, ...],
+    concurrency: int,
+    verbose: bool,
+    metrics_port: int | None,
+    metrics_host: str,
+) -> None:
     """Consume the queues of the apps' contracts and run their handlers."""
     from orchestrator.bus.topology import serving_queues
     from orchestrator.store.worker_registry import Presence
     from workers.runtime import MissingTopology, WorkerRuntime, worker_info
     from workers.serial_lane import SerialLane, lane_client, lane_key
 
-    logging.basicConfig(
-        level=logging.INFO if verbose else logging.WARNING,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
     settings = _settings()
+    logs.configure(settings, verbose)
     _require_durability(settings, Role.WORKER)
     handlers = _handlers_of_apps(apps)
     serving = serving_queues([h.contract for h in handlers.values()], queues)
@@ -280,7 +312,8 @@ def worker(apps: tuple[str, ...], queues: tuple[str, ...], concurrency: int, ver
         for ref in sorted({ref for _, ref in serving})
     )
     on = ", ".join(sorted({queue for queue, _ in serving}))
-    click.echo(f"worker {', '.join(apps)} serving {served} on {on}", err=True)
+    logs.announce(settings, logging.getLogger(__name__), f"worker {', '.join(apps)} serving {served} on {on}")
+    _serve_metrics(metrics_host, metrics_port)
     try:
         _serve(make)
     except MissingTopology as exc:
@@ -335,9 +368,10 @@ def start(
     if not isinstance(context, dict):
         raise click.UsageError("--context must be a JSON object")
     settings = _settings()
+    remote = remote_client()
 
     async def go() -> dict[str, Any]:
-        async with Client(settings) as client:
+        async with remote or Client(settings) as client:
             run_id = await client.start(definition, context, idempotency_key, version)
             if wait_s is None:
                 return {"run_id": run_id, "state": "pending"}
@@ -367,10 +401,11 @@ def cancel(run_id: str, reason: str, wait_s: float | None, as_json: bool) -> Non
     --wait, once the run has ended); exit 1, nothing sent, for a run that has ended or is already
     ending (the error says its state)."""
     settings = _settings()
-    requested_by = settings.actor
+    requested_by = settings.actor  # through --server: the token's name
+    remote = remote_client()
 
     async def go() -> dict[str, Any]:
-        async with Client(settings) as client:
+        async with remote or Client(settings) as client:
             await client.cancel(run_id, reason, requested_by)
             if wait_s is None:
                 return {"run_id": run_id, "requested": True}
@@ -426,11 +461,12 @@ def redrive(
     if bulk and state != "failed":
         raise click.UsageError(f"only failed runs can be re-driven, not {state!r}")
     settings = _settings()
-    requested_by = settings.actor
+    requested_by = settings.actor  # through --server: the token's name
+    remote = remote_client()
 
     async def go() -> list[dict[str, Any]]:
-        async with Client(settings) as client:
-            chosen = [run_id] if run_id else await _failed_runs(settings, definition)
+        async with remote or Client(settings) as client:
+            chosen = [run_id] if run_id else await _failed_runs(settings, definition, remote)
             requests = [
                 (one, await _request_redrive(client, one, reason, requested_by, undo_lost)) for one in chosen
             ]
@@ -449,7 +485,7 @@ def redrive(
 
 
 async def _request_redrive(
-    client: Client, run_id: str, reason: str, requested_by: str, undo_lost: bool
+    client: Client | Remote, run_id: str, reason: str, requested_by: str, undo_lost: bool
 ) -> str | RedriveRefused:
     """The request's id, or the client's refusal (a run that is not failed): reported like the
     orchestrator's refusals, so one run's refusal does not hide what became of the others."""
@@ -460,7 +496,7 @@ async def _request_redrive(
 
 
 async def _redrive_report(
-    client: Client, run_id: str, request: str | RedriveRefused, wait_s: float | None
+    client: Client | Remote, run_id: str, request: str | RedriveRefused, wait_s: float | None
 ) -> dict[str, Any]:
     if isinstance(request, RedriveRefused):
         return {"run_id": run_id, "request": None, "redriven": False, "refused": request.why}
@@ -484,8 +520,11 @@ def _redrive_line(report: dict[str, Any]) -> str:
     return line
 
 
-async def _failed_runs(settings: Settings, definition: str | None) -> list[str]:
-    found = await _list_runs(settings, "failed")
+async def _failed_runs(settings: Settings, definition: str | None, remote: Remote | None) -> list[str]:
+    if remote is not None:
+        found, _ = await remote.list_runs(RunFilter("failed", definition))
+    else:
+        found = await _list_runs(settings, "failed")
     return [r["run_id"] for r in found if definition is None or r["definition"] == definition]
 
 

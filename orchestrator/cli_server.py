@@ -6,6 +6,8 @@ import click
 
 from orchestrator.cli_runtime import _settings
 
+SHUTDOWN_GRACE_S = 5
+
 
 @click.command()
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
@@ -25,4 +27,7 @@ def server(host: str, port: int, verbose: bool) -> None:
         port=port,
         log_level="info" if verbose else "warning",
         access_log=verbose,
+        # the console's event streams never end by themselves: on SIGTERM, give requests this long to
+        # finish, then close what is left (a browser's EventSource reconnects to the next server)
+        timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
     )

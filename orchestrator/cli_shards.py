@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 from typing import Any
+from urllib.parse import quote
 
 import click
 
 from orchestrator import shard_ops
 from orchestrator.cli_runtime import _run, _settings
+from orchestrator.remote import remote_client
 
 
 def _emit(value: Any) -> None:
@@ -31,11 +33,16 @@ def shards_list(as_json: bool) -> None:
     """Every shard with its state, its queue's ready messages and consumers, its unfinished runs, unsent
     outbox entries, timers, dead letters, and the orchestrator process whose share it is ('-': none
     follows the map; a process pinned with --shards shows only as a consumer)."""
-    shard_map, loads = _run(shard_ops.shard_loads(_settings()))
+    if remote := remote_client():
+        answer = _run(remote.request("GET", "/shards"))
+        version, loads = answer["version"], [shard_ops.ShardLoad(**load) for load in answer["shards"]]
+    else:
+        shard_map, loads = _run(shard_ops.shard_loads(_settings()))
+        version = shard_map.version
     if as_json:
-        _emit({"version": shard_map.version, "shards": [load.document() for load in loads]})
+        _emit({"version": version, "shards": [load.document() for load in loads]})
         return
-    click.echo(f"shard map version {shard_map.version}")
+    click.echo(f"shard map version {version}")
     header = ("SHARD", "STATE", "QUEUED", "CONSUMERS", "UNFINISHED", "OUTBOX", "TIMERS", "DEAD", "SERVED BY")
     click.echo("  ".join(f"{h:<10}" for h in header).rstrip())
     for load in loads:
@@ -61,7 +68,11 @@ def shards_add(shard_class: str, count: int, as_json: bool) -> None:
     """Add COUNT active shards to a class (numbers continue after the highest ever used): their queues
     are declared and bound, new starts begin to land on them at once, running runs never move, and
     orchestrators that follow the map serve them within a few seconds."""
-    added = _run(shard_ops.add(_settings(), shard_class, count))
+    if remote := remote_client():
+        body = {"class": shard_class, "count": count}
+        added = _run(remote.request("POST", "/shards", body=body))["added"]
+    else:
+        added = _run(shard_ops.add(_settings(), shard_class, count))
     if as_json:
         _emit({"added": added})
     else:
@@ -74,7 +85,10 @@ def shards_add(shard_class: str, count: int, as_json: bool) -> None:
 def shards_drain(shard: str, as_json: bool) -> None:
     """Stop new starts landing on SHARD (e.g. fast.3); it is served until its runs are finished. A start
     sent again for a run it owns still reaches it (the run-id index)."""
-    _run(shard_ops.drain(_settings(), shard))
+    if remote := remote_client():
+        _run(remote.request("POST", f"/shards/{quote(shard, safe='')}/drain"))
+    else:
+        _run(shard_ops.drain(_settings(), shard))
     if as_json:
         _emit({"shard": shard, "state": "draining"})
     else:
@@ -88,7 +102,10 @@ def shards_retire(shard: str, as_json: bool) -> None:
     """Retire a draining SHARD that holds nothing (no unfinished run, outbox entry, timer, queued message
     or dead letter; refused with what it holds otherwise): marked retired, left by the orchestrators, its
     queues deleted. Its finished runs stay readable until their retention ends."""
-    _run(shard_ops.retire(_settings(), shard))
+    if remote := remote_client():
+        _run(remote.request("POST", f"/shards/{quote(shard, safe='')}/retire"))
+    else:
+        _run(shard_ops.retire(_settings(), shard))
     if as_json:
         _emit({"shard": shard, "state": "retired"})
     else:

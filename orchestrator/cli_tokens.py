@@ -7,8 +7,10 @@ not found) exits 1 and changes nothing; a bad option or Redis that cannot be rea
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
+from urllib.parse import quote
 
 import click
 
@@ -16,6 +18,7 @@ from orchestrator.auth import tokens
 from orchestrator.auth.roles import Role
 from orchestrator.auth.tokens import TokenNameInvalid, TokenRecord
 from orchestrator.cli_runtime import _emit, _run, _settings
+from orchestrator.remote import remote_client
 
 _json = click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 
@@ -55,7 +58,11 @@ def tokens_create(name: str, role: str, tenant: str, as_json: bool) -> None:
         async with tokens.opened(settings) as store:
             return await store.create(name, role, tenant, actor=settings.actor)
 
-    secret, record = _run(create())
+    if remote := remote_client():
+        answer = _run(remote.request("POST", "/tokens", body={"name": name, "role": role, "tenant": tenant}))
+        secret, record = answer["token"], _record_of(answer)
+    else:
+        secret, record = _run(create())
     if as_json:
         _emit({**record.to_json(), "secret": secret, "warning": _WARNING})
         return
@@ -81,7 +88,10 @@ def tokens_list(as_json: bool) -> None:
         async with tokens.opened(settings) as store:
             return await store.list()
 
-    records = _run(read())
+    if remote := remote_client():
+        records = [_record_of(r) for r in _run(remote.request("GET", "/tokens"))]
+    else:
+        records = _run(read())
     if as_json:
         _emit([r.to_json() for r in records])
         return
@@ -108,7 +118,11 @@ def tokens_revoke(name_or_id: str, as_json: bool) -> None:
         async with tokens.opened(settings) as store:
             return await store.revoke(name_or_id, settings.actor)
 
-    record, changed = _run(revoke())
+    if remote := remote_client():
+        answer = _run(remote.request("POST", f"/tokens/{quote(name_or_id, safe='')}/revoke"))
+        record, changed = _record_of(answer), bool(answer["changed"])
+    else:
+        record, changed = _run(revoke())
     if as_json:
         _emit({**record.to_json(), "changed": changed})
         return
@@ -119,6 +133,13 @@ def tokens_revoke(name_or_id: str, as_json: bool) -> None:
             f"token {record.name} (id {record.token_id}) was already revoked "
             f"{_when(record.revoked_at)} by {record.revoked_by}: nothing changed"
         )
+
+
+def _record_of(document: dict[str, Any]) -> TokenRecord:
+    """A token's record from the API's answer (its ``to_json``)."""
+    fields = {f.name for f in dataclasses.fields(TokenRecord)}
+    values = {k: v for k, v in document.items() if k in fields}
+    return TokenRecord(**{**values, "role": Role(values["role"])})
 
 
 def _when(at_ms: int | None) -> str:

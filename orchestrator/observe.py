@@ -25,6 +25,7 @@ from orchestrator.engine.model import StageStatus
 from orchestrator.settings import Settings, redis_client
 from orchestrator.shardmap import ShardMap
 from orchestrator.store import shardmap_store
+from orchestrator.store.facets import listing_facet
 from orchestrator.store.keys import ShardKeys, refused_key
 from orchestrator.store.redis_store import PlanNotFound, RedisStore
 from workers.serial_lane import holder_of, lane_key
@@ -220,7 +221,7 @@ _FIELDS = ["definition", "version", "status", "created_at", "finished_at", "reas
 class RunFilter:
     """What ``saga runs`` keeps: each set field must match; ``since_ms`` bounds the creation time;
     ``limit`` keeps the newest ones; ``after`` (created-at ms, run id: the last row of a page) starts
-    the next page below it, in the listing's order (newest first, then by run id)."""
+    the next page below it, in the listing's order (newest first, then by run id, descending)."""
 
     state: str | None = None
     definition: str | None = None
@@ -238,6 +239,22 @@ class RunFilter:
         )
 
 
+def page_cursor(rows: list[dict[str, Any]], limit: int | None) -> str | None:
+    """The cursor of the page after ``rows`` (``saga runs --cursor``, the API's ``next_cursor``): the
+    last row's creation time and run id; None when the page was not full, so there is no more."""
+    if limit is None or not rows or len(rows) < limit:
+        return None
+    return f"{rows[-1]['created_at']}:{rows[-1]['run_id']}"
+
+
+def parse_cursor(text: str) -> tuple[int, str]:
+    """A cursor :func:`page_cursor` gave, as ``RunFilter.after``; raises ValueError for any other."""
+    created, _, run_id = text.partition(":")
+    if not created.isdigit() or not run_id:
+        raise ValueError(f"cursor {text!r} is not one a listing gave: use its next_cursor")
+    return int(created), run_id
+
+
 async def list_runs(settings: Settings, wanted: RunFilter) -> list[dict[str, Any]]:
     """Runs on every shard that ``wanted`` keeps, newest first. Each shard's run index is a sorted set
     scored by creation time, so each is read newest first, from ``since_ms`` on, a page at a time, and
@@ -249,7 +266,9 @@ async def list_runs(settings: Settings, wanted: RunFilter) -> list[dict[str, Any
         known = (shard_map or ShardMap.seed(settings.shard_classes, settings.shard_count)).known
         for shard in known:  # retired shards' finished runs stay readable
             found += await _shard_runs(client, ShardKeys(settings.key_prefix, shard), wanted)
-        found.sort(key=lambda r: (-r["created_at"], r["run_id"]))
+        # newest first, and within a millisecond by run id descending: the order of each shard's index
+        # (ZREVRANGEBYSCORE), so a page cut at ``limit`` and the cursor after it agree
+        found.sort(key=lambda r: (r["created_at"], r["run_id"]), reverse=True)
         if wanted.limit is not None:
             found = found[: wanted.limit]
         await _add_updated(client, settings.key_prefix, found)
@@ -261,14 +280,15 @@ async def list_runs(settings: Settings, wanted: RunFilter) -> list[dict[str, Any
 async def _shard_runs(client: aioredis.Redis, keys: ShardKeys, wanted: RunFilter) -> list[dict[str, Any]]:
     low = wanted.since_ms if wanted.since_ms is not None else "-inf"
     high: int | str = wanted.after[0] if wanted.after is not None else "+inf"
+    # the index of exactly the runs the filter keeps (kept by the transitions), so a page reads little
+    # more than the page; each record is still checked (an index entry may outlive its expired record)
+    index = listing_facet(keys, wanted.state, wanted.definition, wanted.version) or keys.runs()
     page = min(max(wanted.limit or PAGE, 100), PAGE)
     rows: list[dict[str, Any]] = []
     seen: set[str] = set()
     offset = 0
     while True:
-        scored = await client.zrevrangebyscore(
-            keys.runs(), high, low, start=offset, num=page, withscores=True
-        )
+        scored = await client.zrevrangebyscore(index, high, low, start=offset, num=page, withscores=True)
         run_ids = [r for r, score in scored if not _before_cursor(wanted.after, int(score), r)]
         async with client.pipeline(transaction=False) as pipe:
             for run_id in run_ids:
@@ -300,8 +320,8 @@ async def _shard_runs(client: aioredis.Redis, keys: ShardKeys, wanted: RunFilter
 
 
 def _before_cursor(after: tuple[int, str] | None, created_at: int, run_id: str) -> bool:
-    """Whether a run was on a page before the one ``after`` starts (same millisecond, lower run id)."""
-    return after is not None and created_at == after[0] and run_id <= after[1]
+    """Whether a run was on a page before the one ``after`` starts (same millisecond, not a lower run id)."""
+    return after is not None and created_at == after[0] and run_id >= after[1]
 
 
 async def _add_updated(client: aioredis.Redis, prefix: str, rows: list[dict[str, Any]]) -> None:

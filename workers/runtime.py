@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import itertools
 import logging
 import threading
@@ -45,7 +46,7 @@ import aiormq
 from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractRobustConnection
 from pydantic import BaseModel, ValidationError
 
-from orchestrator import faults
+from orchestrator import faults, logs, metrics
 from orchestrator.bus.connect import untracked_channel
 from orchestrator.bus.envelope import Envelope, EnvelopeRejected, Kind, Signer, decode, signed_message
 from orchestrator.bus.names import SERIAL_TASKS, Names
@@ -251,13 +252,14 @@ class WorkerRuntime:
         key = (envelope.run_id, envelope.stage or "", envelope.fence or "")
         running = list(self._running.get(key, {}).values())  # every item of a map, not one of them
         if running:
-            log.info(
-                "cancelling %s of run %s (fence %s, %d task(s)) as requested",
-                key[1],
-                key[0],
-                key[2],
-                len(running),
-            )
+            with logs.log_context(run_id=envelope.run_id, stage=envelope.stage, shard=envelope.shard):
+                log.info(
+                    "cancelling %s of run %s (fence %s, %d task(s)) as requested",
+                    key[1],
+                    key[0],
+                    key[2],
+                    len(running),
+                )
         for future, context in running:
             context.cancelled.set()
             future.cancel()
@@ -313,6 +315,7 @@ class WorkerRuntime:
                 return
             await settle.ack()
             return
+        logs.bind(**logs.envelope_ids(envelope))  # a task of its own: everything it logs is about this task
         turn = await self._wait_turn(envelope, serial, message)
         if turn is None:  # the worker is stopping: the task goes back for another worker
             await settle.requeue()
@@ -324,6 +327,7 @@ class WorkerRuntime:
                 outcome = Outcome(
                     False, "cancelled before it started: the orchestrator asked", cancelled=True
                 )
+                metrics.task_done(envelope.contract or "", ok=False, cancelled=True, seconds=None)
             else:
                 outcome = await self._run(publisher, envelope, pool, turn)
         finally:
@@ -405,11 +409,15 @@ class WorkerRuntime:
             accepted = ids.acceptance_id(envelope.run_id, envelope.stage or "", envelope.fence or "")
             await self._report(publisher, envelope, Kind.ACCEPTED, accepted)
         beating = self._heartbeats(publisher, envelope, report.get("heartbeat_ms"))
+        started = time.perf_counter()
         try:
-            return await self._execute(envelope, pool, turn)
+            outcome = await self._execute(envelope, pool, turn)
         finally:
             if beating is not None:
                 beating.cancel()
+        ran_s = time.perf_counter() - started
+        metrics.task_done(envelope.contract or "", ok=outcome.ok, cancelled=outcome.cancelled, seconds=ran_s)
+        return outcome
 
     def _heartbeats(
         self, publisher: Publisher, envelope: Envelope, every_ms: Any
@@ -596,7 +604,8 @@ def _start(
         task: asyncio.Future[Any] = asyncio.ensure_future(handler.function(*args))
         task.add_done_callback(lambda _: returned())
         return task
-    work = pool.submit(handler.function, *args)
+    # in the task's context, as an async handler is: what the handler logs carries the task's ids
+    work = pool.submit(contextvars.copy_context().run, handler.function, *args)
     work.add_done_callback(lambda _: loop.call_soon_threadsafe(returned))
     return asyncio.wrap_future(work, loop=loop)
 

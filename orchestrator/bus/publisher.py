@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any
 
@@ -19,6 +20,7 @@ from aio_pika.abc import AbstractChannel
 from pamqp import commands as spec
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential
 
+from orchestrator import metrics
 from orchestrator.bus.envelope import Envelope, Signer, encode, signed_message
 from orchestrator.bus.names import Names
 from orchestrator.bus.topology import TaskQueueLayout, declare_task_queue
@@ -259,6 +261,7 @@ class Publisher:
             await self._renew(channel)
             channel = self.channel
         underlay = await channel.get_underlay_channel()
+        started = time.perf_counter()
         confirmation = await underlay.basic_publish(
             body,
             exchange=exchange,
@@ -267,6 +270,7 @@ class Publisher:
             mandatory=mandatory,
             wait=False,  # type: ignore[call-arg]  # the concrete aiormq channel takes it
         )
+        metrics.publish_confirmed(time.perf_counter() - started)
         if not isinstance(confirmation, spec.Basic.Ack):
             await self._renew(channel)
             raise aiormq.exceptions.DeliveryError(None, confirmation)  # type: ignore[arg-type]
@@ -313,3 +317,4 @@ class Publisher:
             routing_key=self.names.rejected_queue,
             mandatory=True,
         )
+        metrics.refused(reason)

@@ -54,6 +54,23 @@ class PlanDiff:
             "contracts_changed": {r: [c.to_json() for c in cs] for r, cs in self.contracts_changed.items()},
         }
 
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> PlanDiff:
+        """A diff from :meth:`to_json` (``saga definitions diff`` through the API)."""
+
+        def changes(items: list[Mapping[str, Any]]) -> list[FieldChange]:
+            return [FieldChange(c["path"], c.get("before"), c.get("after")) for c in items]
+
+        return cls(
+            added=list(data.get("stages_added", [])),
+            removed=list(data.get("stages_removed", [])),
+            changed={s: changes(cs) for s, cs in data.get("stages_changed", {}).items()},
+            definition=changes(data.get("definition_changed", [])),
+            contracts_added=list(data.get("contracts_added", [])),
+            contracts_removed=list(data.get("contracts_removed", [])),
+            contracts_changed={r: changes(cs) for r, cs in data.get("contracts_changed", {}).items()},
+        )
+
     def lines(self) -> list[str]:
         out = [f"+ stage {s}" for s in self.added] + [f"- stage {s}" for s in self.removed]
         for stage, changes in self.changed.items():

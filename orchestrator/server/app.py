@@ -1,5 +1,6 @@
 """The server's application: one Redis client, one broker client (for starts and requests), the
-registry definitions are compiled against, the token store; health, readiness and the API routers."""
+registry definitions are compiled against, the token store; health, readiness, the API routers and the
+web console."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from orchestrator.allowlists import load_allowlist
 from orchestrator.auth.tokens import TokenStore
 from orchestrator.client import Client
 from orchestrator.contracts import Registry
-from orchestrator.server import definitions, operations, runs
+from orchestrator.server import console, console_api, definitions, operations, runs
 from orchestrator.server.errors import HANDLERS
 from orchestrator.settings import Settings, redis_client
 
@@ -48,8 +49,10 @@ def create_app(settings: Settings, registry: Registry | None = None) -> FastAPI:
     for error, handler in HANDLERS:
         app.add_exception_handler(error, handler)  # type: ignore[arg-type]
     app.include_router(definitions.router)
+    app.include_router(console_api.router)  # before runs: /runs/events is not a run id
     app.include_router(runs.router)
     app.include_router(operations.router)
+    console.install(app)  # the web console: its pages, session and static files
 
     @app.get("/healthz", tags=["health"])
     async def healthz() -> dict[str, str]:

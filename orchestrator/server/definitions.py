@@ -72,7 +72,13 @@ async def publish(request: Request, body: Publish, who: Author) -> dict[str, Any
         body.source.encode(), body.file, app.registry, settings.admission_limits(), app.allowlist
     )
     (change,) = await service.publish(settings, [plan], who.name, body.reason, activate=body.activate)
-    return {**change_document(plan.name, change), "version": plan.version, "digest": plan.digest}
+    state = change.after.versions[plan.version].state.value
+    return {
+        **change_document(plan.name, change),
+        "version": plan.version,
+        "digest": plan.digest,
+        "state": state,
+    }
 
 
 @router.get("/{name}")

@@ -49,10 +49,10 @@ async def start(request: Request, body: Start, _: Starter) -> dict[str, Any]:
 def _cursor(text: str | None) -> tuple[int, str] | None:
     if not text:
         return None
-    created, _, run_id = text.partition(":")
-    if not created.isdigit() or not run_id:
-        raise ApiError(400, "invalid_request", f"cursor {text!r} is not one this API gave: use next_cursor")
-    return int(created), run_id
+    try:
+        return observe.parse_cursor(text)
+    except ValueError as exc:
+        raise ApiError(400, "invalid_request", str(exc)) from exc
 
 
 @router.get("")
@@ -69,15 +69,15 @@ async def list_runs(
     """Runs newest first, filtered; ``next_cursor`` (when there may be more) gives the next page."""
     wanted = observe.RunFilter(state, definition, version, since_ms, limit, _cursor(cursor))
     rows = await observe.list_runs(request.app.state.settings, wanted)
-    last = rows[-1] if len(rows) == limit else None
-    return {"runs": rows, "next_cursor": f"{last['created_at']}:{last['run_id']}" if last else None}
+    return {"runs": rows, "next_cursor": observe.page_cursor(rows, limit)}
 
 
 @router.get("/{run_id}")
-async def status(run_id: str, request: Request, _: Reader) -> dict[str, Any]:
-    """A run as ``saga status --json`` shows it (``refused``: its start created no run, and why)."""
+async def status(run_id: str, request: Request, _: Reader, inputs: bool = False) -> dict[str, Any]:
+    """A run as ``saga status --json`` shows it (``refused``: its start created no run, and why);
+    ``inputs``: each work stage's input too, as ``saga status --inputs``."""
     app = request.app.state
-    return await observe.status_view(app.redis, app.settings, run_id)
+    return await observe.status_view(app.redis, app.settings, run_id, inputs=inputs)
 
 
 @router.get("/{run_id}/history")

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from orchestrator import metrics
 from orchestrator.bus.envelope import Envelope, Kind
 from orchestrator.engine import advance, clocks
 from orchestrator.engine.model import (
@@ -72,7 +73,10 @@ class Processor:
             this_round = [i for queue in pending.values() for i in _take(queue, envelopes)]
             pending = {run: queue for run, queue in pending.items() if queue}
             await self._round(shard, this_round, envelopes, outcomes)
-        return [o if o is not None else Outcome() for o in outcomes]
+        done = [o if o is not None else Outcome() for o in outcomes]
+        for envelope, outcome in zip(envelopes, done, strict=True):
+            count(envelope.kind.value, outcome)
+        return done
 
     async def _round(
         self, shard: str, indices: list[int], envelopes: list[Envelope], outcomes: list[Outcome | None]
@@ -84,7 +88,7 @@ class Processor:
             if envelopes[i].kind in CONTINUES and (not envelopes[i].shard or envelopes[i].shard == shard)
         ]
         for i in sorted(set(indices) - set(starts) - set(continues)):
-            outcomes[i] = await self.handle(shard, envelopes[i])
+            outcomes[i] = await self._handle(shard, envelopes[i])
         # (index, event, plan, digest or None: a continue takes its run's pinned digest)
         work: list[tuple[int, Event, dict[str, Any] | None, str | None]] = []
         work += await self._claimed_starts(shard, starts, envelopes, outcomes)
@@ -105,7 +109,7 @@ class Processor:
             digest = start_digest or (snapshot.digest if snapshot else None)
             plan = start_plan or (await self.store.plan(digest) if digest else None)
             if plan is None or digest is None or (start_plan is None and _needs_map_results(event, plan)):
-                outcomes[i] = await self.handle(shard, envelopes[i])  # the careful path handles it
+                outcomes[i] = await self._handle(shard, envelopes[i])  # the careful path handles it
                 continue
             ready.append((i, event, plan, advance(plan, digest, snapshot, event, now, self.limits)))
         await self._apply_ready(shard, ready, envelopes, outcomes, now)
@@ -119,7 +123,7 @@ class Processor:
         for i in starts:
             body = start_body(envelopes[i])
             if isinstance(body, str) or not body.digest:
-                outcomes[i] = await self.handle(shard, envelopes[i])
+                outcomes[i] = await self._handle(shard, envelopes[i])
             else:
                 named.append((i, body.digest, body.context))
         # only approved, not retired versions start runs: one read for the batch
@@ -161,9 +165,11 @@ class Processor:
             [(envelopes[i].run_id, event.message_id, decision, plan) for i, event, plan, decision in ready],
             now,
         )
-        for (i, _, _, decision), result in zip(ready, results, strict=True):
+        for (i, _, plan, decision), result in zip(ready, results, strict=True):
+            if result.code == APPLIED:
+                metrics.applied(envelopes[i].run_id, plan, decision, now)
             if result.code == CONFLICT:
-                outcomes[i] = await self.handle(shard, envelopes[i])
+                outcomes[i] = await self._handle(shard, envelopes[i])
             elif result.code == NO_RUN:
                 outcomes[i] = Outcome(rejected=("unknown-run", f"run {envelopes[i].run_id} does not exist"))
             else:
@@ -172,6 +178,10 @@ class Processor:
                 )
 
     async def handle(self, shard: str, envelope: Envelope) -> Outcome:
+        """One message on its own (the path a batch that failed takes, message by message)."""
+        return count(envelope.kind.value, await self._handle(shard, envelope))
+
+    async def _handle(self, shard: str, envelope: Envelope) -> Outcome:
         if envelope.kind is Kind.START:
             return await self._start(shard, envelope)
         if envelope.kind in CONTINUES:
@@ -276,10 +286,13 @@ class Processor:
         loaded = await self._load(shard, parsed[0]) if parsed is not None else None
         if parsed is None or loaded is None:
             await self.store.drop_timer(shard, member)  # not ours, or its run expired with it still set
-            return Outcome()
+            return count("timer", Outcome())
         run_id, clock, stage, fence = parsed
-        return await self._continue_with(
-            shard, run_id, TimerFired(f"timer-{member}", clock, stage, fence, member), *loaded
+        return count(
+            "timer",
+            await self._continue_with(
+                shard, run_id, TimerFired(f"timer-{member}", clock, stage, fence, member), *loaded
+            ),
         )
 
     async def nudge(self, shard: str, run_id: str, message_id: str) -> Outcome:
@@ -292,7 +305,8 @@ class Processor:
         if bags:  # which items arrived, read again on every retry: the nudge re-sends the others
             snapshot = dataclasses.replace(snapshot, arrivals=await self.store.arrivals(shard, run_id, bags))
         event = Nudge(message_id)
-        return await self._decide(shard, run_id, event, plan, snapshot.digest, None, snapshot, bags)
+        decided = await self._decide(shard, run_id, event, plan, snapshot.digest, None, snapshot, bags)
+        return count("nudge", decided)
 
     async def _load(self, shard: str, run_id: str) -> tuple[dict[str, Any], RunSnapshot] | None:
         """A run's plan and snapshot, or None if the run does not exist on this shard."""
@@ -337,10 +351,28 @@ class Processor:
                 continue
             if result.code == NO_RUN:
                 return Outcome(rejected=("unknown-run", f"run {run_id} does not exist"))
+            if result.code == APPLIED:
+                metrics.applied(run_id, plan, decision, now)
             return Outcome(
                 publish=_to_publish(decision, result.code, result.detail), verdict=decision.verdict
             )
         raise RuntimeError(f"run {run_id}: {MAX_CONFLICT_RETRIES} conflicting writes in a row; giving up")
+
+
+def count(kind: str, outcome: Outcome) -> Outcome:
+    """Count a handled message (or timer, or nudge) in the metrics by what became of it. A refusal to
+    the rejected queue is counted with its reason where it is parked (``Publisher.reject``)."""
+    if outcome.rejected is not None:
+        metrics.transition(kind, "rejected")
+    elif outcome.forward_to is not None:
+        metrics.transition(kind, "forwarded")
+    elif outcome.verdict is None:
+        metrics.transition(kind, "ignored")
+    else:
+        metrics.transition(kind, outcome.verdict.value)
+        if outcome.verdict is not Verdict.APPLIED:
+            metrics.refused(outcome.verdict.value)
+    return outcome
 
 
 def _take(queue: deque[int], envelopes: list[Envelope]) -> list[int]:

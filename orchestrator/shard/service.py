@@ -28,7 +28,7 @@ from redis.exceptions import ClusterDownError, RedisClusterException, TryAgainEr
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from orchestrator import faults
+from orchestrator import faults, logs, metrics
 from orchestrator.bus.connect import untracked_channel
 from orchestrator.bus.envelope import Envelope, EnvelopeRejected, Signer, decode
 from orchestrator.bus.names import Names
@@ -85,6 +85,8 @@ class ShardOptions:
     map_poll_s: float = 2.0
     stranded_after_ms: int = 600_000  # a running run quiet this long, with nothing on its way, is stranded
     crash_points: frozenset[str] = frozenset()  # tests only: see crash()
+    # how often to read each shard's outbox depth and due timers into the metrics (None: never)
+    metrics_interval_s: float | None = None
 
 
 def _redeliveries(message: AbstractIncomingMessage) -> int:
@@ -114,6 +116,7 @@ class ShardService:
     follow: Callable[[], Awaitable[list[str]]] | None = None
     _stopping: asyncio.Event = field(default_factory=asyncio.Event)
     _leaving: set[str] = field(default_factory=set)
+    _sampled: dict[str, float] = field(default_factory=dict)  # shard -> when its depths were last read
 
     def __post_init__(self) -> None:
         limits = Limits(self.options.max_message_bytes, self.options.max_transition_bytes)
@@ -149,10 +152,12 @@ class ShardService:
                 self._leaving.discard(shard)
         self._leaving -= wanted  # wanted again before it was left: it stays
         for shard in sorted(wanted - serving.keys()):
-            log.info("shard %s: added to the map, or this process's share now; serving it", shard)
+            with logs.log_context(shard=shard):
+                log.info("shard %s: added to the map, or this process's share now; serving it", shard)
             serving[shard] = asyncio.create_task(self._serve(shard))
         for shard in sorted(serving.keys() - wanted - self._leaving):
-            log.info("shard %s: retired, or another member's share now; leaving it", shard)
+            with logs.log_context(shard=shard):
+                log.info("shard %s: retired, or another member's share now; leaving it", shard)
             self._leaving.add(shard)
 
     def _left(self, shard: str) -> bool:
@@ -176,6 +181,7 @@ class ShardService:
                 await asyncio.sleep(self.options.redis_retry_s)
 
     async def _serve(self, shard: str) -> None:
+        logs.bind(shard=shard)  # a task of its own: everything it logs is about this shard
         while not self._left(shard):
             channel: AbstractChannel | None = None
             try:
@@ -218,6 +224,7 @@ class ShardService:
         queue = await channel.declare_queue(self.options.names.shard_queue(shard), passive=True)
         inbox: asyncio.Queue[AbstractIncomingMessage] = asyncio.Queue()
         tag = await queue.consume(inbox.put, no_ack=False)
+        metrics.shard_state(shard, active=False)  # until a delivery says this is the active consumer
         try:
             await self._relay(shard, publisher)
             next_relay = time.monotonic() + self.options.relay_interval_s
@@ -228,6 +235,7 @@ class ShardService:
                     raise ChannelInvalidStateError(f"shard {shard}: its channel closed")
                 if time.monotonic() >= next_timers:
                     await self._fire_timers(shard, publisher)
+                    await self._sample(shard)
                     next_timers = time.monotonic() + self.options.timer_poll_s
                 if time.monotonic() >= next_reconcile:
                     await self._reconcile(shard, publisher)
@@ -245,6 +253,7 @@ class ShardService:
                     batch.append(inbox.get_nowait())
                 await self._process(shard, batch, publisher)
         finally:
+            metrics.shard_left(shard)
             with contextlib.suppress(Exception):
                 await queue.cancel(tag)
             await publisher.close()
@@ -254,6 +263,7 @@ class ShardService:
 
     async def _process(self, shard: str, batch: list[AbstractIncomingMessage], publisher: Publisher) -> None:
         deliveries = [_Delivery(m) for m in batch]
+        metrics.batch(shard, len(batch))
         faults.crash(self.options.crash_points, "after-consume")
         valid: list[_Delivery] = []
         for delivery in deliveries:
@@ -303,13 +313,14 @@ class ShardService:
     async def _run_group(self, shard: str, group: list[_Delivery]) -> None:
         for delivery in group:
             assert delivery.envelope is not None
-            try:
-                delivery.outcome = await self.processor.handle(shard, delivery.envelope)
-            except REDIS_DOWN:
-                raise  # the whole batch goes back to the queue
-            except Exception as exc:  # a bug, not bad input: requeue; the delivery limit bounds retries
-                log.exception("shard %s: transition for run %s failed", shard, delivery.envelope.run_id)
-                delivery.error = exc
+            with logs.log_context(**logs.envelope_ids(delivery.envelope)):
+                try:
+                    delivery.outcome = await self.processor.handle(shard, delivery.envelope)
+                except REDIS_DOWN:
+                    raise  # the whole batch goes back to the queue
+                except Exception as exc:  # a bug, not bad input: requeue; the delivery limit bounds retries
+                    log.exception("shard %s: transition for run %s failed", shard, delivery.envelope.run_id)
+                    delivery.error = exc
 
     async def _settle(self, shard: str, deliveries: list[_Delivery], publisher: Publisher) -> None:
         outgoing: list[Outgoing] = [m for d in deliveries if d.outcome for m in d.outcome.publish]
@@ -378,7 +389,8 @@ class ShardService:
             if delivery.error is None:
                 await delivery.message.ack()
             elif _redeliveries(delivery.message) >= self.options.poison_after:
-                await self._poisoned(shard, delivery)
+                with logs.log_context(**logs.envelope_ids(delivery.envelope)):
+                    await self._poisoned(shard, delivery)
             else:
                 await delivery.message.nack(requeue=True)
 
@@ -421,6 +433,17 @@ class ShardService:
         faults.crash(self.options.crash_points, "after-commit")
         outgoing, done_locally = await self._continue_locally(shard, outgoing)
         await self._publish_and_mark(shard, publisher, outgoing, done_locally)
+
+    async def _sample(self, shard: str) -> None:
+        """Read the shard's outbox depth and due timers into the metrics, at most every
+        ``metrics_interval_s``."""
+        every, now = self.options.metrics_interval_s, time.monotonic()
+        if every is None or now < self._sampled.get(shard, 0.0) + every:
+            return
+        self._sampled[shard] = now
+        async with asyncio.timeout(self.options.redis_timeout_s):
+            outbox, due = await self.store.depths(shard, self.clock_ms())
+        metrics.shard_depths(shard, outbox, due)
 
     def _reconciler(self, publisher: Publisher) -> Reconciler:
         return Reconciler(

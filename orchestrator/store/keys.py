@@ -44,6 +44,11 @@ class ShardKeys:
         """Plan digest -> this shard's runs of it not yet finished (kept by the transitions)."""
         return f"{self.tag}:live"
 
+    def facet(self, *parts: str) -> str:
+        """A listing index of this shard: run ids scored by creation time, for one facet (a state, a
+        definition, a definition version, or one of those in a state). Kept by the transitions."""
+        return f"{self.tag}:idx:" + ":".join(parts)
+
     def transition_keys(self, run_id: str, barriers: list[str]) -> list[str]:
         """KEYS of every transition function, in the order helpers.lua documents."""
         fixed = [

@@ -2,7 +2,8 @@
 
 It lets the engine be exercised without services: property tests deliver messages duplicated, reordered
 and stale, and golden histories replay, against a line-by-line port of ``lua/*.lua``. The Redis store is
-tested against the same scenarios, so the two cannot drift apart unnoticed.
+tested against the same scenarios, so the two cannot drift apart unnoticed. The shard's listing indexes
+(``facets.py``) are left out: no transition reads them, so they cannot change a decision.
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from importlib import resources
@@ -19,10 +20,12 @@ from typing import TYPE_CHECKING, Any
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
+from orchestrator import metrics
 from orchestrator.engine import clocks
 from orchestrator.engine.model import Decision, RunSnapshot
 from orchestrator.errors import SagaError
 from orchestrator.store.connect import load_function_library
+from orchestrator.store.facets import changes_status, index_spec
 from orchestrator.store.keys import ShardKeys, index_key, plan_key, refused_key
 
 if TYPE_CHECKING:
@@ -100,6 +103,12 @@ class RedisStore:
         await load_function_library(self.client, library_source())
 
     async def _fcall(self, spec: Spec, keys: list[str]) -> list[Any]:
+        started = time.perf_counter()
+        result = await self._fcall_once(spec, keys)
+        metrics.lua_call(spec.function, time.perf_counter() - started)
+        return result
+
+    async def _fcall_once(self, spec: Spec, keys: list[str]) -> list[Any]:
         args = [spec.encode()]
         try:
             result = await self.client.fcall(function_name(spec.function), len(keys), *keys, *args)  # type: ignore[misc]
@@ -164,10 +173,12 @@ class RedisStore:
     ) -> list[ApplyResult]:
         """Many transitions (of different runs) pipelined: each is still its own atomic FCALL."""
         calls = [self._call(shard, *transition, now_ms) for transition in transitions]
+        started = time.perf_counter()
         async with self.client.pipeline(transaction=False) as pipe:
             for spec, keys in calls:
                 pipe.fcall(function_name(spec.function), len(keys), *keys, spec.encode())
             replies = await pipe.execute(raise_on_error=False)
+        metrics.lua_call("pipeline", time.perf_counter() - started)
         results = []
         for (spec, keys), reply in zip(calls, replies, strict=True):
             answer = reply
@@ -212,7 +223,11 @@ class RedisStore:
             barriers=barriers,
             retention_ms=self.retention_ms,
         )
-        return spec, self.keys(shard).transition_keys(run_id, barriers)
+        keys = self.keys(shard).transition_keys(run_id, barriers)
+        if changes_status(decision):
+            spec.body["index"], facets = index_spec(self.keys(shard), run_id, plan, len(keys) + 1)
+            keys += facets
+        return spec, keys
 
     async def history(self, shard: str, run_id: str) -> list[dict[str, Any]]:
         rows = await self.client.xrange(self.keys(shard).history(run_id))
@@ -235,6 +250,11 @@ class RedisStore:
         """Mark the run a poison message names failed (lua/poison.lua); returns the Lua code."""
         spec = poison_spec(message_id, error, now_ms)
         keys = self.keys(shard).transition_keys(run_id, [])
+        definition, version = await self.client.hmget(self.keys(shard).run(run_id), ["definition", "version"])  # type: ignore[misc]
+        if definition is not None and version is not None:  # the run's listing indexes follow its status
+            plan = {"name": _str(definition), "version": _str(version)}
+            spec.body["index"], facets = index_spec(self.keys(shard), run_id, plan, len(keys) + 1)
+            keys += facets
         code, _ = await self._fcall(spec, keys)
         return int(code)
 
@@ -254,6 +274,15 @@ class RedisStore:
         """Forget a timer whose run no longer exists (expired) or that is not one of ours."""
         await self.client.zrem(self.keys(shard).timers(), member)
 
+    async def depths(self, shard: str, now_ms: int) -> tuple[int, int]:
+        """The shard's outbox entries not marked sent, and its timers due by ``now_ms`` (one round trip)."""
+        keys = self.keys(shard)
+        async with self.client.pipeline(transaction=False) as pipe:
+            pipe.hlen(keys.outbox())
+            pipe.zcount(keys.timers(), "-inf", now_ms)
+            outbox, due = await pipe.execute()
+        return int(outbox), int(due)
+
     async def run_ids(self, shard: str) -> list[str]:
         return [_str(r) for r in await self.client.zrange(self.keys(shard).runs(), 0, -1)]
 
@@ -267,13 +296,16 @@ class RedisStore:
         if not message_ids:
             return 0
         keys = [self.keys(shard).outbox()]
+        started = time.perf_counter()
         try:
-            return int(await self.client.fcall(function_name("saga_mark_sent"), 1, *keys, *message_ids))  # type: ignore[misc]
+            marked = int(await self.client.fcall(function_name("saga_mark_sent"), 1, *keys, *message_ids))  # type: ignore[misc]
         except ResponseError as exc:
             if "function not found" not in str(exc).lower():
                 raise
             await self.load_library()
-            return int(await self.client.fcall(function_name("saga_mark_sent"), 1, *keys, *message_ids))  # type: ignore[misc]
+            marked = int(await self.client.fcall(function_name("saga_mark_sent"), 1, *keys, *message_ids))  # type: ignore[misc]
+        metrics.lua_call("saga_mark_sent", time.perf_counter() - started)
+        return marked
 
     # ---- index and plans ---------------------------------------------------------------------------
 

@@ -37,6 +37,7 @@ stages:
 def invoke(*args: str, env: dict[str, str | None] | None = None, command: click.Command = main) -> Result:
     """``saga ARGS`` in-process, from the repository root, without the caller's SAGA_* settings."""
     clean: dict[str, str | None] = {"SAGA_CONTRACTS": None, "SAGA_NAMESPACE": None, "SAGA_KEY_PREFIX": None}
+    clean |= {"SAGA_SERVER_URL": None, "SAGA_TOKEN": None}  # the direct path
     return CliRunner().invoke(command, list(args), env={**clean, **(env or {})}, catch_exceptions=False)
 
 

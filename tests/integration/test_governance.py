@@ -123,8 +123,6 @@ def test_republishing_a_version_is_a_no_op_and_another_file_under_it_is_refused(
 def test_a_release_under_load_canary_promote_rollback_retire_never_moves_a_run(
     stack: Stack, tmp_path: Path
 ) -> None:
-    stack.start_orchestrator()
-    stack.start_worker()
     client = SyncClient(stack.settings)
     old = versions(stack)["2.3.0"]
     assert old["state"] == "active"

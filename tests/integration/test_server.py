@@ -41,10 +41,8 @@ class Api:
 
 @pytest.fixture(scope="module")
 def api() -> Iterator[Api]:
-    with running("server") as stack:
+    with running("server") as stack:  # an orchestrator and a worker
         port = free_port()
-        stack.start_orchestrator()
-        stack.start_worker()
         stack._spawn("server", ["server", "--port", str(port)], None)
         api = Api(stack, port)
 

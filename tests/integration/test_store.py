@@ -23,6 +23,7 @@ import redis.asyncio as aioredis
 from orchestrator.compiler import CompiledPlan, compile_text
 from orchestrator.engine import advance, ids
 from orchestrator.engine.model import BarrierReleased, CancelRun, Decision, Event, StageResult, StartRun
+from orchestrator.store.facets import static_facets, status_facets
 from orchestrator.store.memory import MemoryStore
 from orchestrator.store.redis_store import (
     APPLIED,
@@ -685,6 +686,9 @@ def test_every_key_the_store_writes_carries_the_shard_hash_tag() -> None:
         for sim in sims:
             expected |= {keys.run(sim.run_id), keys.history(sim.run_id), keys.applied(sim.run_id)}
         expected |= {keys.barrier("run-tag-1", "derive-join"), keys.barrier("run-tag-2", "render-all")}
+        for sim in sims:  # the listing indexes of its definition, its version and its final status
+            name, version = sim.plan["name"], sim.plan["version"]
+            expected |= {*static_facets(keys, name, version), *status_facets(keys, name, version, sim.status)}
         assert written == expected
 
     with_store(test)

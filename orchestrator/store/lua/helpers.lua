@@ -9,7 +9,9 @@
 --   KEYS[5] shard run index (sorted set: run id by creation time, for listing runs)
 --   KEYS[6] shard timers    (sorted set: "<run>|<clock>|<stage>|<fence>" by due time in ms)
 --   KEYS[7] shard live runs (hash: plan digest -> runs of it not yet finished)
---   KEYS[8..] the run's barrier hashes (member -> value), named by index in the spec
+--   KEYS[8..] the run's barrier hashes (member -> value), named by index in the spec; after them, for a
+--           transition that creates its run or changes its status, the shard's listing indexes it
+--           touches (sorted sets: run id by creation time), named by index in spec.index
 -- ARGV[1] is the transition spec, JSON (see orchestrator/store/redis_store.py, _spec).
 
 local APPLIED, DUPLICATE, CONFLICT, EXISTS, NO_RUN, TIMER_GONE = 0, 1, 2, 3, 4, 5
@@ -86,9 +88,10 @@ local function apply_timers(keys, spec)
   end
 end
 
--- Keys shared by every run of the shard (outbox, run index, timers, live runs): never expired with a run.
-local function is_shard_key(i)
-  return i >= 4 and i <= 7
+-- Keys shared by every run of the shard (outbox, run index, timers, live runs, listing indexes): never
+-- expired with a run.
+local function is_shard_key(i, spec)
+  return (i >= 4 and i <= 7) or (not is_null(spec.index) and i >= spec.index.first)
 end
 
 local function is_live(status)
@@ -113,12 +116,43 @@ local function count_live(keys, before)
   end
 end
 
+-- The listing indexes (orchestrator/store/facets.py): a run enters its definition's and version's
+-- indexes when it is created, and leaves its old status's indexes for its new status's whenever its
+-- status changes. spec.index names them only for transitions that can do either.
+local function index_status(keys, spec, before)
+  local ix = spec.index
+  if is_null(ix) then return end
+  local after = redis.call('HGET', keys[1], 'status')
+  if before == after then return end
+  local created = redis.call('HGET', keys[1], 'created_at') or spec.at
+  if not before then
+    for _, k in ipairs(ix.static) do redis.call('ZADD', keys[k], created, ix.run) end
+  elseif ix.by_state[before] then
+    for _, k in ipairs(ix.by_state[before]) do redis.call('ZREM', keys[k], ix.run) end
+  end
+  if after and ix.by_state[after] then
+    for _, k in ipairs(ix.by_state[after]) do redis.call('ZADD', keys[k], created, ix.run) end
+  end
+end
+
+-- Runs whose records have expired leave the indexes a finishing run of the same version names.
+local function trim_indexes(keys, spec, bound)
+  local ix = spec.index
+  if is_null(ix) then return end
+  for _, k in ipairs(ix.static) do redis.call('ZREMRANGEBYSCORE', keys[k], '-inf', bound) end
+  for _, names in pairs(ix.by_state) do
+    for _, k in ipairs(names) do redis.call('ZREMRANGEBYSCORE', keys[k], '-inf', bound) end
+  end
+end
+
 local function finish(keys, spec)
   if spec.expire_ms > 0 then
     -- the listing forgets runs whose records have expired
-    redis.call('ZREMRANGEBYSCORE', keys[5], '-inf', '(' .. (spec.at - spec.expire_ms))
+    local bound = '(' .. (spec.at - spec.expire_ms)
+    redis.call('ZREMRANGEBYSCORE', keys[5], '-inf', bound)
+    trim_indexes(keys, spec, bound)
     for i = 1, #keys do
-      if not is_shard_key(i) then redis.call('PEXPIRE', keys[i], spec.expire_ms) end
+      if not is_shard_key(i, spec) then redis.call('PEXPIRE', keys[i], spec.expire_ms) end
     end
   end
 end
@@ -128,12 +162,13 @@ local function apply_all(keys, spec)
   if spec.persist then
     -- a re-driven run lives again: its keys lose the retention clock its end had started
     for i = 1, #keys do
-      if not is_shard_key(i) then redis.call('PERSIST', keys[i]) end
+      if not is_shard_key(i, spec) then redis.call('PERSIST', keys[i]) end
     end
   end
   local before = redis.call('HGET', keys[1], 'status')
   apply_writes(keys, spec)
   count_live(keys, before)
+  index_status(keys, spec, before)
   if spec.remember then redis.call('SADD', keys[3], spec.mid) end
   apply_timers(keys, spec)
   append_outbox(keys[4], spec.outbox)

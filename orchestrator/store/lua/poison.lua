@@ -21,6 +21,7 @@ local function saga_poison(keys, args)
   end
   redis.call('HSET', keys[1], 'status', 'failed', 'reason', spec.reason, 'finished_at', spec.at)
   count_live(keys, status)
+  index_status(keys, spec, status)
   append_history(keys[2], {{'run.failed', '', '', cjson.encode({reason = spec.reason})}}, spec.at)
   return {APPLIED, spec.mid}
 end
