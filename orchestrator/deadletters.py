@@ -36,6 +36,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import re
 from collections.abc import AsyncIterator, Iterable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -152,8 +153,13 @@ def is_dead_letter_queue(queue: str) -> bool:
     return queue.endswith((DLQ_SUFFIX, REJECTED_SUFFIX))
 
 
+#: What AMQP 0-9-1 accepts as a queue name (at most 255 bytes of these): anything else the client
+#: library refuses before it reaches the broker.
+QUEUE_NAME = re.compile(r"[A-Za-z0-9_.:@#,/ -]{1,255}")
+
+
 def require_dead_letter_queue(queue: str, names: Names) -> str:
-    if not names.is_dead_letter_queue(queue):
+    if not QUEUE_NAME.fullmatch(queue) or not names.is_dead_letter_queue(queue):
         raise NotADeadLetterQueue(queue, names)
     return queue
 

@@ -15,7 +15,7 @@ from orchestrator.allowlists import load_allowlist
 from orchestrator.auth.tokens import TokenStore
 from orchestrator.client import Client
 from orchestrator.contracts import Registry
-from orchestrator.server import console, console_api, definitions, operations, runs
+from orchestrator.server import bodies, console, console_api, definitions, operations, runs
 from orchestrator.server.errors import HANDLERS
 from orchestrator.settings import Settings, redis_client
 
@@ -53,6 +53,7 @@ def create_app(settings: Settings, registry: Registry | None = None) -> FastAPI:
     app.include_router(runs.router)
     app.include_router(operations.router)
     console.install(app)  # the web console: its pages, session and static files
+    bodies.install(app)  # bodies no store or signature could take: 400 at the door
 
     @app.get("/healthz", tags=["health"])
     async def healthz() -> dict[str, str]:

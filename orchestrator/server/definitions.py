@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, Literal
 
 from fastapi import APIRouter, Request
@@ -68,8 +69,14 @@ async def publish(request: Request, body: Publish, who: Author) -> dict[str, Any
     if body.activate:  # approving and activating it too is an approver's
         await require(Action.APPROVE)(request)
         await require(Action.ACTIVATE)(request)
-    plan = compile_text(
-        body.source.encode(), body.file, app.registry, settings.admission_limits(), app.allowlist
+    # compiling a large definition takes seconds of CPU: off the event loop, so other requests go on
+    plan = await asyncio.to_thread(
+        compile_text,
+        body.source.encode(),
+        body.file,
+        app.registry,
+        settings.admission_limits(),
+        app.allowlist,
     )
     (change,) = await service.publish(settings, [plan], who.name, body.reason, activate=body.activate)
     state = change.after.versions[plan.version].state.value

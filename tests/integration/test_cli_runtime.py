@@ -73,7 +73,7 @@ def test_publish_start_wait_status_history_and_runs(stack: Stack) -> None:
 
     listed = saga_json(stack, "runs", "--state", "completed")["runs"]
     assert any(r["run_id"] == run_id and r["definition"] == "model-ingest" for r in listed)
-    assert saga_json(stack, "runs", "--state", "failed") == {"runs": []}
+    assert saga_json(stack, "runs", "--state", "failed")["runs"] == []
 
 
 def test_start_without_wait_is_pending_and_text_output_reads_well(stack: Stack) -> None:
