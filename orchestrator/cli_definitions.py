@@ -160,16 +160,7 @@ def _rows(name: str | None) -> list[dict[str, Any]]:
         return await service.states(settings, name), await service.unfinished(settings)
 
     states, unfinished = _run(read())
-    return [_row(state, record, unfinished) for state in states for record in state.versions.values()]
-
-
-def _row(state: DefinitionState, record: VersionRecord, unfinished: Mapping[str, int]) -> dict[str, Any]:
-    return {
-        "definition": state.name,
-        **record.to_json(),
-        "canary_percent": state.canary_percent if state.canary == record.version else None,
-        "unfinished_runs": unfinished.get(record.digest, 0),
-    }
+    return [service.version_row(state, v, unfinished) for state in states for v in state.versions]
 
 
 def _who(row: Mapping[str, Any]) -> str:
@@ -211,7 +202,7 @@ def definitions_show(name: str, version: str | None, as_json: bool) -> None:
         "active": state.active,
         "canary": state.canary,
         "canary_percent": state.canary_percent if state.canary else None,
-        "versions": [_row(state, r, unfinished) for r in records],
+        "versions": [service.version_row(state, r.version, unfinished) for r in records],
         "audit": audit,
     }
     if as_json:
@@ -290,16 +281,7 @@ def _act(
 
 
 def _report(change: Change, as_json: bool, verb: str, name: str) -> None:
-    after = change.after
-    document = {
-        "definition": name,
-        "changed": not change.noop,
-        "active": after.active,
-        "canary": after.canary,
-        "canary_percent": after.canary_percent if after.canary else None,
-        "records": [r.to_fields() for r in change.records],
-    }
-    _show_change(document, as_json, verb, name)
+    _show_change(service.change_document(name, change), as_json, verb, name)
 
 
 def _show_change(document: dict[str, Any], as_json: bool, verb: str, name: str) -> None:

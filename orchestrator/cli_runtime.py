@@ -87,6 +87,14 @@ def _serve(make: Any) -> None:
         raise unreachable(exc) from exc
 
 
+_verbose = click.option(
+    "-v",
+    "--verbose",
+    is_flag=True,
+    help="Log at INFO level (on stderr; SAGA_LOG_FORMAT=json: one JSON object per line).",
+)
+
+
 def _serve_metrics(host: str, port: int | None) -> None:
     """Serve /metrics when --metrics-port is given; a port that cannot be bound is a usage error."""
     if port is None:
@@ -102,12 +110,7 @@ def _serve_metrics(host: str, port: int | None) -> None:
 @click.command()
 @click.option("--class", "shard_class", default=None, help="Serve only this shard class (default: all).")
 @click.option("--shards", default="", help="Shard numbers: '0-3', '1,3' (default: all).")
-@click.option(
-    "-v",
-    "--verbose",
-    is_flag=True,
-    help="Log at INFO level (on stderr; SAGA_LOG_FORMAT=json: one JSON object per line).",
-)
+@_verbose
 @metrics_options
 def orchestrator(
     shard_class: str | None, shards: str, verbose: bool, metrics_port: int | None, metrics_host: str
@@ -242,12 +245,7 @@ def _where(handler: Handler) -> str:
     "tasks.parallel and tasks.actions). Tasks reach this worker only for the contracts it has handlers for.",
 )
 @click.option("--concurrency", default=8, show_default=True, help="Tasks run at once by this process.")
-@click.option(
-    "-v",
-    "--verbose",
-    is_flag=True,
-    help="Log at INFO level (on stderr; SAGA_LOG_FORMAT=json: one JSON object per line).",
-)
+@_verbose
 @metrics_options
 def worker(
     apps: tuple[str, ...],

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -109,6 +109,30 @@ def publish_verb(plan: CompiledPlan, activate: bool) -> Verb:
         return lifecycle.chain(*steps)(state)
 
     return verb
+
+
+def version_row(state: DefinitionState, version: str, unfinished: Mapping[str, int]) -> dict[str, Any]:
+    """One version as ``list``, ``show`` and the API give it: its record, its canary share, its runs."""
+    record = state.versions[version]
+    return {
+        "definition": state.name,
+        **record.to_json(),
+        "canary_percent": state.canary_percent if state.canary == version else None,
+        "unfinished_runs": unfinished.get(record.digest, 0),
+    }
+
+
+def change_document(name: str, change: Change) -> dict[str, Any]:
+    """What a lifecycle verb did, as ``--json`` and the API give it."""
+    after = change.after
+    return {
+        "definition": name,
+        "changed": not change.noop,
+        "active": after.active,
+        "canary": after.canary,
+        "canary_percent": after.canary_percent if after.canary else None,
+        "records": [r.to_fields() for r in change.records],
+    }
 
 
 async def states(settings: Settings, name: str | None = None) -> list[DefinitionState]:

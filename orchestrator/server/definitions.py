@@ -12,7 +12,6 @@ from orchestrator.auth.roles import Action
 from orchestrator.compiler import compile_text
 from orchestrator.governance import service
 from orchestrator.governance.diff import diff_plans
-from orchestrator.governance.lifecycle import Change, DefinitionState
 from orchestrator.server.auth import Author, Reader, require
 
 router = APIRouter(prefix="/api/v1/definitions", tags=["definitions"])
@@ -31,35 +30,13 @@ class LifecycleRequest(BaseModel):
     reason: str = ""
 
 
-def version_row(state: DefinitionState, version: str, unfinished: dict[str, int]) -> dict[str, Any]:
-    record = state.versions[version]
-    return {
-        "definition": state.name,
-        **record.to_json(),
-        "canary_percent": state.canary_percent if state.canary == version else None,
-        "unfinished_runs": unfinished.get(record.digest, 0),
-    }
-
-
-def change_document(name: str, change: Change) -> dict[str, Any]:
-    after = change.after
-    return {
-        "definition": name,
-        "changed": not change.noop,
-        "active": after.active,
-        "canary": after.canary,
-        "canary_percent": after.canary_percent if after.canary else None,
-        "records": [r.to_fields() for r in change.records],
-    }
-
-
 @router.get("")
 async def list_definitions(request: Request, _: Reader) -> list[dict[str, Any]]:
     """Every version of every definition: state, digest, who did what and when, unfinished runs."""
     settings = request.app.state.settings
     states = await service.states(settings)
     unfinished = await service.unfinished(settings)
-    return [version_row(s, v, unfinished) for s in states for v in s.versions]
+    return [service.version_row(s, v, unfinished) for s in states for v in s.versions]
 
 
 @router.post("", status_code=201)
@@ -81,7 +58,7 @@ async def publish(request: Request, body: Publish, who: Author) -> dict[str, Any
     (change,) = await service.publish(settings, [plan], who.name, body.reason, activate=body.activate)
     state = change.after.versions[plan.version].state.value
     return {
-        **change_document(plan.name, change),
+        **service.change_document(plan.name, change),
         "version": plan.version,
         "digest": plan.digest,
         "state": state,
@@ -99,7 +76,7 @@ async def show(name: str, request: Request, _: Reader) -> dict[str, Any]:
         "active": state.active,
         "canary": state.canary,
         "canary_percent": state.canary_percent if state.canary else None,
-        "versions": [version_row(state, v, unfinished) for v in state.versions],
+        "versions": [service.version_row(state, v, unfinished) for v in state.versions],
         "audit": await service.audit(settings, name),
     }
 
@@ -129,4 +106,4 @@ async def lifecycle(name: str, verb: Verb, body: LifecycleRequest, request: Requ
         percent=body.percent,
         separate_approver=settings.separate_approver_required,
     )
-    return change_document(name, await service.change(settings, verb, name, change_request))
+    return service.change_document(name, await service.change(settings, verb, name, change_request))
