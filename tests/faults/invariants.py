@@ -27,6 +27,7 @@ from typing import Any
 
 import redis
 
+from orchestrator.store.facets import STATUSES, static_facets, status_facets
 from orchestrator.store.keys import ShardKeys, index_key, plan_key
 from workers.demo.effects import demo_key
 
@@ -190,6 +191,7 @@ def check_runs(
         violations += effect_violations(r, prefix, runs)
     if all_runs:
         violations += live_count_violations(r, prefix, runs)
+    violations += index_violations(r, prefix, runs)
     for key, entries in unsent(r, prefix).items():
         violations.append(f"{key}: {len(entries)} entries never published: {', '.join(entries[:5])}")
     return violations
@@ -211,6 +213,36 @@ def live_count_violations(r: redis.Redis, prefix: str, runs: list[RunView]) -> l
             found.append(
                 f"shard {shard}: unfinished runs counted {dict(counted)}, but {dict(want)} have not ended"
             )
+    return found
+
+
+def index_violations(r: redis.Redis, prefix: str, runs: list[RunView]) -> list[str]:
+    """Each run is in the listing indexes of its definition, its version and its status, and in no
+    index of another status (what ``saga runs`` and the API's filtered listings read)."""
+    checks: list[tuple[str, str, str, bool]] = []  # (run id, index, why, expected present)
+    for run in runs:
+        definition, version, status = (run.record.get(f) for f in ("definition", "version", "status"))
+        if run.shard is None or not definition or not version or not status:
+            continue
+        keys = ShardKeys(prefix, run.shard)
+        own = {*static_facets(keys, definition, version), *status_facets(keys, definition, version, status)}
+        others = {
+            key
+            for other in STATUSES
+            if other != status
+            for key in status_facets(keys, definition, version, other)
+        }
+        checks += [(run.run_id, key, "missing from", True) for key in sorted(own)]
+        checks += [(run.run_id, key, "still in", False) for key in sorted(others)]
+    if not checks:
+        return []
+    pipe = r.pipeline(transaction=False)
+    for run_id, key, _, _ in checks:
+        pipe.zscore(key, run_id)
+    found = []
+    for (run_id, key, why, wanted), score in zip(checks, pipe.execute(), strict=True):
+        if (score is not None) != wanted:
+            found.append(f"run {run_id}: {why} listing index {key}")
     return found
 
 

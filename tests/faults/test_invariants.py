@@ -14,6 +14,7 @@ import pytest
 import redis
 
 from orchestrator.compiler import compile_text
+from orchestrator.store.facets import static_facets, status_facets
 from orchestrator.store.keys import ShardKeys, index_key, plan_key
 from tests.conftest import DEMO_REGISTRY, ROOT
 from tests.faults import invariants
@@ -64,6 +65,7 @@ class Fabricated:
             (ROOT / "definitions" / "model-ingest.yaml").read_text(), "model-ingest.yaml", DEMO_REGISTRY
         )
         self.digest = plan.digest
+        self.version = plan.version
         r.set(plan_key(prefix, plan.digest), json.dumps({"plan": plan.plan, "versions": {}}))
 
     def task(self, stage: str) -> str:
@@ -73,6 +75,10 @@ class Fabricated:
         r, run = self.r, self.keys.run(self.run_id)
         r.set(index_key(self.prefix, self.run_id), SHARD)
         fields = {"run_id": self.run_id, "shard": SHARD, "digest": self.digest, "status": "completed"}
+        fields |= {"definition": "model-ingest", "version": self.version}
+        indexes = static_facets(self.keys, "model-ingest", self.version)
+        for key in [*indexes, *status_facets(self.keys, "model-ingest", self.version, "completed")]:
+            r.zadd(key, {self.run_id: 1})
         fields |= {"epoch": "1", "intent": "completed", "b:derive-join": "0"}
         fields |= {f"s:{stage}:status": "completed" for stage in [*CONTRACTS, "derive-join"]}
         r.hset(run, mapping=fields)
@@ -121,6 +127,17 @@ def test_a_run_counted_unfinished_after_it_ended(run: Fabricated) -> None:
     run.write()
     run.r.hincrby(run.keys.live(), run.digest, 1)
     only(run.check(), f"shard {SHARD}: unfinished runs counted", "but {} have not ended")
+
+
+def test_a_run_missing_from_its_listing_index_or_left_in_another(run: Fabricated) -> None:
+    run.write()
+    status_key = run.keys.facet("ver", "model-ingest", run.version, "state", "completed")
+    run.r.zrem(status_key, run.run_id)
+    run.r.zadd(run.keys.facet("state", "running"), {run.run_id: 1})
+    violations = run.check()
+    assert len(violations) == 2, violations
+    assert any(f"missing from listing index {status_key}" in v for v in violations)
+    assert any(f"still in listing index {run.keys.facet('state', 'running')}" in v for v in violations)
 
 
 def test_a_join_released_twice(run: Fabricated) -> None:
