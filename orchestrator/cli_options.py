@@ -35,7 +35,8 @@ def registry_options(fn: F) -> F:
 
 def metrics_options(fn: F) -> F:
     """``--metrics-port PORT`` and ``--metrics-host HOST``: serve Prometheus metrics on ``/metrics``
-    (``orchestrator/metrics.py``); the command gets them as ``metrics_port`` and ``metrics_host``."""
+    (``orchestrator/metrics.py``) and the probes ``/healthz`` and ``/readyz`` (``orchestrator/health.py``);
+    the command gets them as ``metrics_port`` and ``metrics_host``."""
     fn = click.option(
         "--metrics-host",
         default="127.0.0.1",
@@ -48,6 +49,8 @@ def metrics_options(fn: F) -> F:
         type=click.IntRange(0, 65535),
         default=None,
         metavar="PORT",
-        help="Serve Prometheus metrics on http://HOST:PORT/metrics (default: no metrics server).",
+        help="Serve Prometheus metrics on http://HOST:PORT/metrics, and /healthz (200 while the process "
+        "runs) and /readyz (200 while Redis answers, RabbitMQ is connected and the process consumes; "
+        "else 503 naming what is not). Default: no such server.",
     )(fn)
     return fn

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import aio_pika
 import click
 
-from orchestrator import logs, metrics
+from orchestrator import health, logs, metrics
 from orchestrator.bus import names
 from orchestrator.bus.connect import connect_robust, untracked_channel
 from orchestrator.bus.envelope import Signer
@@ -65,17 +65,26 @@ def _require_durability(settings: Settings, role: Role) -> None:
         raise _Refused(str(exc)) from exc
 
 
-def _serve(make: Any) -> None:
-    """Run a service coroutine until SIGTERM/SIGINT, which asks it to drain and stop."""
+def _serve(make: Any, readiness: health.Readiness | None = None, redis_timeout_s: float = 5.0) -> None:
+    """Run a service coroutine until SIGTERM/SIGINT, which asks it to drain and stop. ``make`` returns
+    the service, its cleanup and the :class:`health.Checks` that keep ``readiness`` (``/readyz``, when
+    the metrics server runs) up to date meanwhile."""
 
     async def main() -> None:
-        service, cleanup = await make()
+        service, cleanup, checks = await make()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, service.stop)
+        watching = None
+        if readiness is not None:
+            watching = asyncio.create_task(health.watch(readiness, checks, redis_timeout_s))
         try:
             await service.run()
         finally:
+            if watching is not None:
+                watching.cancel()
+            if readiness is not None:
+                readiness.stopping()  # draining and closing: no longer ready, whatever the last check said
             try:  # a broker that does not answer must not keep a stopping process alive
                 await asyncio.wait_for(cleanup(), timeout=10)
             except Exception:
@@ -95,16 +104,19 @@ _verbose = click.option(
 )
 
 
-def _serve_metrics(host: str, port: int | None) -> None:
-    """Serve /metrics when --metrics-port is given; a port that cannot be bound is a usage error."""
+def _serve_metrics(host: str, port: int | None) -> health.Readiness | None:
+    """Serve /metrics, /healthz and /readyz when --metrics-port is given (the readiness /readyz reports,
+    for _serve to keep up to date; None: no server); a port that cannot be bound is a usage error."""
     if port is None:
-        return
+        return None
+    readiness = health.Readiness()
     try:
-        metrics.serve_metrics(host, port)
+        metrics.serve_metrics(host, port, readiness)
     except OSError as exc:
         raise CodedUsageError(
             "metrics_port_unavailable", f"--metrics-port {port}: cannot serve metrics on {host}:{port}: {exc}"
         ) from exc
+    return readiness
 
 
 @click.command()
@@ -134,7 +146,7 @@ def orchestrator(
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
 
-    async def make() -> tuple[ShardService, Any]:
+    async def make() -> tuple[ShardService, Any, health.Checks]:
         connection = await connect_robust(settings.amqp_url, heartbeat_s=settings.amqp_heartbeat_s)
         client = redis_client(settings, per_reply_timeout=False)  # each Redis step is bounded instead
         store = RedisStore(client, settings.key_prefix, settings.retention_ms)
@@ -179,12 +191,12 @@ def orchestrator(
             await connection.close()
             await client.aclose()
 
-        return service, cleanup
+        return service, cleanup, health.Checks(client.ping, connection, service.consuming)
 
     pinned_to = f"shards {', '.join(shard_ids)}" if shards else f"its share of {', '.join(classes)}"
     logs.announce(settings, logging.getLogger(__name__), f"orchestrator serving {pinned_to}")
-    _serve_metrics(metrics_host, metrics_port)
-    _serve(make)
+    readiness = _serve_metrics(metrics_host, metrics_port)
+    _serve(make, readiness, settings.redis_timeout_s)
 
 
 class _MissingTopology(CliError):
@@ -271,7 +283,7 @@ def worker(
         if callable(startup):
             startup(settings)
 
-    async def make() -> tuple[WorkerRuntime, Any]:
+    async def make() -> tuple[WorkerRuntime, Any, health.Checks]:
         connection = await connect_robust(settings.amqp_url, heartbeat_s=settings.amqp_heartbeat_s)
         registry_redis = redis_client(settings)  # the live worker registry (best effort)
         serial = any(queue == names.SERIAL_TASKS for queue, _ in serving)
@@ -303,7 +315,7 @@ def worker(
             if lane_redis is not None:
                 await lane_redis.aclose()
 
-        return runtime, cleanup
+        return runtime, cleanup, health.Checks(registry_redis.ping, connection, runtime.consuming)
 
     served = ", ".join(
         ref + (f" (adapter to {handlers[ref].adapts_to})" if handlers[ref].adapts_to else "")
@@ -311,9 +323,9 @@ def worker(
     )
     on = ", ".join(sorted({queue for queue, _ in serving}))
     logs.announce(settings, logging.getLogger(__name__), f"worker {', '.join(apps)} serving {served} on {on}")
-    _serve_metrics(metrics_host, metrics_port)
+    readiness = _serve_metrics(metrics_host, metrics_port)
     try:
-        _serve(make)
+        _serve(make, readiness, settings.redis_timeout_s)
     except MissingTopology as exc:
         raise _MissingTopology(str(exc)) from None
 

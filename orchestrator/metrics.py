@@ -10,7 +10,8 @@ the transition that dispatched an attempt to the one that ended it (completed, f
 cancelled), both on the shard's clock; it is measured by the process that applied both, so an attempt
 dispatched before a shard changed hands gives no sample rather than a wrong one.
 
-``saga orchestrator`` and ``saga worker`` serve them with ``--metrics-port`` (:func:`serve_metrics`).
+``saga orchestrator`` and ``saga worker`` serve them with ``--metrics-port`` (:func:`serve_metrics`),
+beside their ``/healthz`` and ``/readyz`` (``orchestrator/health.py``).
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import Counter, Gauge, Histogram, start_http_server
+from prometheus_client import Counter, Gauge, Histogram
 
+from orchestrator import health
 from orchestrator.engine.builder import stage_contract
 
 if TYPE_CHECKING:
@@ -239,8 +241,8 @@ def task_done(contract: str, *, ok: bool, cancelled: bool, seconds: float | None
 # ---- serving --------------------------------------------------------------------------------------
 
 
-def serve_metrics(host: str, port: int) -> WSGIServer:
-    """Serve ``/metrics`` on ``host:port`` from a daemon thread; returns the server (its
-    ``server_port`` is the port bound, for port 0). Raises OSError when the port cannot be bound."""
-    server, _ = start_http_server(port, addr=host)
-    return server
+def serve_metrics(host: str, port: int, readiness: health.Readiness | None = None) -> WSGIServer:
+    """Serve ``/metrics`` on ``host:port`` from a daemon thread, and with ``readiness`` ``/healthz`` and
+    ``/readyz`` too (:func:`orchestrator.health.serve`); returns the server (its ``server_port`` is the
+    port bound, for port 0). Raises OSError when the port cannot be bound."""
+    return health.serve(host, port, readiness)

@@ -126,12 +126,26 @@ class WorkerRuntime:
     _giving_up: bool = False  # consumers cancelled on the way out: waiting deliveries go back
     _slots: asyncio.Semaphore = field(init=False)
     _coalescers: dict[int, AckCoalescer] = field(default_factory=dict)  # per channel: tags count per channel
+    # the channels of the task queues' consumers, once every one is subscribed (for /readyz)
+    _consuming_on: tuple[AbstractChannel, ...] = ()
 
     def __post_init__(self) -> None:
         self._slots = asyncio.Semaphore(self.concurrency)
 
     def stop(self) -> None:
         self._stopping.set()
+
+    def consuming(self) -> str | None:
+        """None while the worker consumes every task queue it serves; else why not (``/readyz``,
+        ``orchestrator/health.py``). The channels are robust: after a reconnect aio-pika reopens them
+        with their consumers, and until then they are closed."""
+        if self._stopping.is_set():
+            return "stopping"
+        if not self._consuming_on:
+            return "not consuming yet: the task queues are not subscribed"
+        if any(channel.is_closed for channel in self._consuming_on):
+            return "not consuming: the task queues' channel is closed (reconnecting)"
+        return None
 
     async def run(self) -> None:
         if any(queue == SERIAL_TASKS for queue, _ in self.serving) and self.lane is None:
@@ -152,6 +166,7 @@ class WorkerRuntime:
             renew_with=lambda: untracked_channel(self.connection),
         )
         consumers = await self._subscribe(channel, serial_channel, publisher, pool)
+        self._consuming_on = (channel, serial_channel)
         log.info(
             "worker consuming %d contract queue(s) with concurrency %d", len(self.serving), self.concurrency
         )

@@ -28,7 +28,7 @@ from redis.exceptions import ClusterDownError, RedisClusterException, TryAgainEr
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from orchestrator import faults, logs, metrics
+from orchestrator import faults, health, logs, metrics
 from orchestrator.bus.connect import untracked_channel
 from orchestrator.bus.envelope import Envelope, EnvelopeRejected, Signer, decode
 from orchestrator.bus.names import Names
@@ -117,6 +117,9 @@ class ShardService:
     _stopping: asyncio.Event = field(default_factory=asyncio.Event)
     _leaving: set[str] = field(default_factory=set)
     _sampled: dict[str, float] = field(default_factory=dict)  # shard -> when its depths were last read
+    # for /readyz: the shards to serve (None: a follower's share not read yet), and those consumed now
+    _share: set[str] | None = None
+    _subscribed: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         limits = Limits(self.options.max_message_bytes, self.options.max_transition_bytes)
@@ -126,7 +129,14 @@ class ShardService:
         """Finish the batch in hand, stop consuming, close: SIGTERM drains."""
         self._stopping.set()
 
+    def consuming(self) -> str | None:
+        """None when the process consumes every shard queue it is to serve (as active or standby
+        consumer); else what it does not (``/readyz``, ``orchestrator/health.py``)."""
+        return health.shard_consumption(self._share, self._subscribed)
+
     async def run(self) -> None:
+        if self.follow is None:
+            self._share = set(self.shards)
         await self._wait_for_redis()
         await self.store.load_library()
         serving = {shard: asyncio.create_task(self._serve(shard)) for shard in self.shards}
@@ -146,6 +156,7 @@ class ShardService:
         except Exception as exc:  # Redis trouble: keep serving what we serve; the next read may do
             log.warning("could not read the shard map (%s); serving %d shard(s) as before", exc, len(serving))
             return
+        self._share = wanted
         for shard, task in list(serving.items()):
             if task.done():
                 del serving[shard]
@@ -225,6 +236,7 @@ class ShardService:
         inbox: asyncio.Queue[AbstractIncomingMessage] = asyncio.Queue()
         tag = await queue.consume(inbox.put, no_ack=False)
         metrics.shard_state(shard, active=False)  # until a delivery says this is the active consumer
+        self._subscribed.add(shard)
         try:
             await self._relay(shard, publisher)
             next_relay = time.monotonic() + self.options.relay_interval_s
@@ -253,6 +265,7 @@ class ShardService:
                     batch.append(inbox.get_nowait())
                 await self._process(shard, batch, publisher)
         finally:
+            self._subscribed.discard(shard)
             metrics.shard_left(shard)
             with contextlib.suppress(Exception):
                 await queue.cancel(tag)
