@@ -6,20 +6,36 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 
 from orchestrator.allowlists import load_allowlist
 from orchestrator.auth.tokens import TokenStore
 from orchestrator.client import Client
 from orchestrator.contracts import Registry
 from orchestrator.server import bodies, console, console_api, definitions, operations, runs
-from orchestrator.server.errors import HANDLERS
+from orchestrator.server.errors import ERROR_RESPONSES, HANDLERS, declare_errors
 from orchestrator.settings import Settings, redis_client
 
 API_VERSION = "v1"
+
+
+class ControlPlane(FastAPI):
+    """FastAPI, whose OpenAPI document lists every error status an operation can answer, each with the
+    error document's schema, and no other (see errors.declare_errors)."""
+
+    def openapi(self) -> dict[str, Any]:
+        if self.openapi_schema is None:
+            self.openapi_schema = declare_errors(super().openapi())
+        return self.openapi_schema
+
+
+class Readiness(BaseModel):
+    status: Literal["ready", "not ready"]
+    problems: list[str]
 
 
 def create_app(settings: Settings, registry: Registry | None = None) -> FastAPI:
@@ -38,7 +54,7 @@ def create_app(settings: Settings, registry: Registry | None = None) -> FastAPI:
             finally:
                 await state.redis.aclose()
 
-    app = FastAPI(
+    app = ControlPlane(
         title="saga-orchestrator control plane",
         version=API_VERSION,
         openapi_url=f"/api/{API_VERSION}/openapi.json",
@@ -48,10 +64,11 @@ def create_app(settings: Settings, registry: Registry | None = None) -> FastAPI:
     )
     for error, handler in HANDLERS:
         app.add_exception_handler(error, handler)  # type: ignore[arg-type]
-    app.include_router(definitions.router)
-    app.include_router(console_api.router)  # before runs: /runs/events is not a run id
-    app.include_router(runs.router)
-    app.include_router(operations.router)
+    # every API operation needs a token (401, 403), reads Redis (503)...: declared once, for all of them
+    app.include_router(definitions.router, responses=ERROR_RESPONSES)
+    app.include_router(console_api.router, responses=ERROR_RESPONSES)  # before runs: /runs/events
+    app.include_router(runs.router, responses=ERROR_RESPONSES)
+    app.include_router(operations.router, responses=ERROR_RESPONSES)
     console.install(app)  # the web console: its pages, session and static files
     bodies.install(app)  # bodies no store or signature could take: 400 at the door
 
@@ -60,7 +77,15 @@ def create_app(settings: Settings, registry: Registry | None = None) -> FastAPI:
         """The process is alive."""
         return {"status": "ok"}
 
-    @app.get("/readyz", tags=["health"], response_model=None)
+    @app.get(
+        "/readyz",
+        tags=["health"],
+        response_model=None,
+        responses={
+            200: {"model": Readiness, "description": "Redis and RabbitMQ answer"},
+            503: {"model": Readiness, "description": "Redis or RabbitMQ does not answer: problems say which"},
+        },
+    )
     async def readyz(request: Request) -> Any:
         """Redis and RabbitMQ answer: 200, else 503 naming what does not."""
         problems = await _readiness(request)

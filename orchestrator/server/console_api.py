@@ -20,6 +20,7 @@ from orchestrator.client import RunNotFound, is_final
 from orchestrator.console.graph import plan_svg
 from orchestrator.governance import service
 from orchestrator.server.auth import Reader, identity_of
+from orchestrator.server.definitions import published
 from orchestrator.server.errors import ApiError
 from orchestrator.server.runs import MAX_PAGE
 
@@ -156,14 +157,6 @@ async def version_graph(name: str, version: str, request: Request, _: Reader) ->
     """The version's plan drawn as SVG: its stages (``g.stage[data-stage]``), terminals and edges."""
     settings = request.app.state.settings
     (state,) = await service.states(settings, name)
-    if version not in state.versions:
-        known = ", ".join(state.versions) or "none"
-        raise ApiError(
-            404,
-            "version_not_found",
-            f"{name} has no version {version!r} (published versions: {known})",
-            {"definition": name, "version": version},
-        )
-    plan = await service.plan_of(settings, state.versions[version].digest)
+    plan = await service.plan_of(settings, published(state, version).digest)
     headers = {"Content-Security-Policy": SVG_POLICY}
     return Response(plan_svg(plan), media_type="image/svg+xml", headers=headers)

@@ -12,9 +12,26 @@ from orchestrator.auth.roles import Action
 from orchestrator.compiler import compile_text
 from orchestrator.governance import service
 from orchestrator.governance.diff import diff_plans
+from orchestrator.governance.lifecycle import DefinitionState, VersionRecord
 from orchestrator.server.auth import Author, Reader, require
+from orchestrator.server.errors import ApiError
 
 router = APIRouter(prefix="/api/v1/definitions", tags=["definitions"])
+
+
+def published(state: DefinitionState, version: str) -> VersionRecord:
+    """``version`` of the definition: 404 naming the published ones when there is no such version (a
+    read asks for something that is not there; a lifecycle verb's refusal is a 409)."""
+    found = state.versions.get(version)
+    if found is None:
+        known = ", ".join(state.versions) or "none"
+        raise ApiError(
+            404,
+            "version_not_found",
+            f"{state.name} has no version {version!r} (published versions: {known})",
+            {"definition": state.name, "version": version},
+        )
+    return found
 
 
 class Publish(BaseModel):
@@ -86,8 +103,8 @@ async def diff(name: str, v1: str, v2: str, request: Request, _: Reader) -> dict
     """What changed in the plan from version ``v1`` to ``v2``, by stage."""
     settings = request.app.state.settings
     (state,) = await service.states(settings, name)
-    old = await service.plan_of(settings, state.record(v1).digest)
-    new = await service.plan_of(settings, state.record(v2).digest)
+    old = await service.plan_of(settings, published(state, v1).digest)
+    new = await service.plan_of(settings, published(state, v2).digest)
     return {"definition": name, "from": v1, "to": v2, **diff_plans(old, new).to_json()}
 
 
