@@ -127,7 +127,7 @@ def _emit_json(value: Any) -> None:
     metavar="URL",
     help="Go through the control-plane API at URL ('saga server'), with the token in $SAGA_TOKEN, instead "
     "of RabbitMQ and Redis: start, status, wait, watch, history, runs, cancel, redrive, definitions, "
-    "dead-letters (not purge), shards and tokens. Overrides $SAGA_SERVER_URL; '' goes direct. Commands "
+    "dead-letters, shards and tokens. Overrides $SAGA_SERVER_URL; '' goes direct. Commands "
     "without an API twin refuse it (exit 2).",
 )
 @click.pass_context
@@ -679,11 +679,15 @@ def dead_letters_purge(
 ) -> None:
     """Delete every message on the namespace's dead-letter queues (or --queue) for good, and say how
     many each held. Refuses without --yes (exit 2); 'list' shows first what would go."""
-    refuse_remote("dead-letters purge")
     if not yes:
         raise click.UsageError("purge deletes dead letters for good: pass --yes (see them first with 'list')")
-    queues = _dead_letter_queues(queue, modules, registry_file)
-    purged = _on_broker(lambda c: deadletters.purge(c, queues, missing_ok=queue is None))
+    if remote := remote_client():
+        refuse_local_registry(modules, registry_file)
+        found = _run_remote(remote.request("POST", "/dead-letters/purge", body={"queue": queue}))["queues"]
+        purged = [deadletters.Purged(q["queue"], q["exists"], q["purged"]) for q in found]
+    else:
+        queues = _dead_letter_queues(queue, modules, registry_file)
+        purged = _on_broker(lambda c: deadletters.purge(c, queues, missing_ok=queue is None))
     if as_json:
         _emit_json({"queues": [{"queue": p.queue, "exists": p.exists, "purged": p.removed} for p in purged]})
         return

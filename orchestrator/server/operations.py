@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Annotated, Any, TypeVar
@@ -23,6 +24,7 @@ DeadLetterHandler = Annotated[Identity, Depends(require(Action.HANDLE_DEAD_LETTE
 ShardChanger = Annotated[Identity, Depends(require(Action.CHANGE_SHARDS))]
 TokenAdmin = Annotated[Identity, Depends(require(Action.MANAGE_TOKENS))]
 T = TypeVar("T")
+_log = logging.getLogger(__name__)
 
 
 @asynccontextmanager
@@ -108,6 +110,25 @@ async def replay(body: Replay, request: Request, _: DeadLetterHandler) -> dict[s
             for d in done
         ]
     }
+
+
+class Purge(BaseModel):
+    queue: str | None = Field(None, description="one dead-letter queue; null: every one of the topology")
+
+
+@router.post("/dead-letters/purge", tags=["dead letters"])
+async def purge(body: Purge, request: Request, who: DeadLetterHandler) -> dict[str, Any]:
+    """Delete every message on the dead-letter queues (or ``queue``) for good; how many each held."""
+    done = await _on_queues(
+        request, body.queue, lambda c, qs: deadletters.purge(c, qs, missing_ok=body.queue is None)
+    )
+    # nothing else keeps a trace of what went: the log names who purged what
+    _log.warning(
+        "dead letters purged by %s: %s",
+        who.name,
+        ", ".join(f"{p.queue}={p.removed}" for p in done if p.removed) or "none held any",
+    )
+    return {"queues": [{"queue": p.queue, "exists": p.exists, "purged": p.removed} for p in done]}
 
 
 @router.get("/shards", tags=["shards"])

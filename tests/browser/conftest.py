@@ -4,8 +4,6 @@ page are kept under ``.artifacts/console/``."""
 
 from __future__ import annotations
 
-import asyncio
-import socket
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -17,19 +15,12 @@ import pytest
 from playwright.sync_api import Browser, BrowserContext, ConsoleMessage, Page, sync_playwright
 
 from orchestrator.auth.roles import Role
-from orchestrator.auth.tokens import TokenStore
-from orchestrator.settings import redis_client
-from tests.integration.stack import ROOT, Stack, poll, running
+from tests.integration.served import serving
+from tests.integration.stack import ROOT, Stack
 
 CHROMIUM = "/usr/bin/chromium"
 ARTIFACTS = ROOT / ".artifacts" / "console"
 T = TypeVar("T")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -94,31 +85,13 @@ def snapshot(page: Page, name: str) -> Path:
 
 @pytest.fixture(scope="package")
 def console() -> Iterator[Console]:
-    with running("console") as stack:
-        port = free_port()
-        stack._spawn("server", ["server", "--port", str(port)], None)
-        tokens: dict[Role, str] = {}
-
-        async def create() -> None:
-            client = redis_client(stack.settings)
-            try:
-                store = TokenStore(client, stack.prefix)
-                for role in Role:
-                    tokens[role], _ = await store.create(f"{role.value}-console", role, actor="tests")
-            finally:
-                await client.aclose()
-
-        asyncio.run(create())  # before Playwright: its sync API keeps an event loop running in this thread
-        base = f"http://127.0.0.1:{port}"
-        poll(lambda: _ready(base), 30, what="the server ready")
-        with sync_playwright() as playwright:
-            browser = playwright.chromium.launch(
-                executable_path=CHROMIUM, headless=True, args=["--no-sandbox"]
-            )
-            try:
-                yield Console(stack, base, browser, tokens)
-            finally:
-                browser.close()
+    # the tokens are made before Playwright starts: its sync API keeps an event loop running in this thread
+    with serving("console", token_name="{role}-console") as served, sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox"])
+        try:
+            yield Console(served.stack, served.base, browser, served.tokens)
+        finally:
+            browser.close()
 
 
 def off_loop(call: Callable[[], T]) -> T:
@@ -137,10 +110,3 @@ def _close_contexts(console: Console) -> Iterator[None]:
         console.contexts.pop().close()
     errors, console.errors[:] = list(console.errors), []
     assert errors == []
-
-
-def _ready(base: str) -> bool:
-    try:
-        return httpx.get(base + "/readyz", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False

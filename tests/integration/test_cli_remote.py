@@ -4,21 +4,18 @@ nowhere, so whatever they print came through the API. Their ``--json`` output is
 
 from __future__ import annotations
 
-import asyncio
 import json
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from orchestrator.auth.roles import Role
-from orchestrator.auth.tokens import TokenStore
-from orchestrator.settings import redis_client
-from tests.integration.stack import ROOT, Stack, poll, running
-from tests.integration.test_server import free_port
+from tests.integration.own_redis import free_port
+from tests.integration.served import Served, serving
+from tests.integration.stack import ROOT, poll
 from workers.demo.effects import demo_key
 
 pytestmark = pytest.mark.services
@@ -32,10 +29,13 @@ NOWHERE = {
 
 
 class Remote:
-    def __init__(self, stack: Stack, port: int) -> None:
-        self.stack = stack
-        self.url = f"http://127.0.0.1:{port}"
-        self.tokens: dict[Role, str] = {}
+    """The CLI through a served stack: ``saga`` subprocesses given its URL and a token."""
+
+    def __init__(self, served: Served) -> None:
+        self.served = served
+        self.stack = served.stack
+        self.url = served.base
+        self.tokens = served.tokens
 
     def saga(self, *args: str, role: Role = Role.OPERATOR) -> subprocess.CompletedProcess[str]:
         """``saga ARGS`` through the server, as ``role``'s token, unable to reach the services itself."""
@@ -48,8 +48,7 @@ class Remote:
         return json.loads(done.stdout)
 
     def api(self, method: str, path: str, **kwargs: Any) -> Any:
-        headers = {"Authorization": f"Bearer {self.tokens[Role.OPERATOR]}"}
-        answer = httpx.request(method, f"{self.url}/api/v1{path}", headers=headers, timeout=30, **kwargs)
+        answer = self.served.call(method, f"/api/v1{path}", Role.OPERATOR, **kwargs)
         assert answer.status_code < 300, answer.text
         return answer.json()
 
@@ -58,41 +57,14 @@ class Remote:
         return str(self.api("POST", "/runs", json=body)["run_id"])
 
     def state(self, run_id: str) -> str | None:
-        answer = httpx.get(
-            f"{self.url}/api/v1/runs/{run_id}",
-            headers={"Authorization": f"Bearer {self.tokens[Role.VIEWER]}"},
-            timeout=10,
-        )
+        answer = self.served.call("GET", f"/api/v1/runs/{run_id}", Role.VIEWER)
         return answer.json()["state"] if answer.status_code == 200 else None
 
 
 @pytest.fixture(scope="module")
 def remote() -> Iterator[Remote]:
-    with running("cli-remote") as stack:  # an orchestrator and a worker
-        port = free_port()
-        stack._spawn("server", ["server", "--port", str(port)], None)
-        remote = Remote(stack, port)
-
-        async def create() -> None:
-            client = redis_client(stack.settings)
-            try:
-                store = TokenStore(client, stack.prefix)
-                for role in Role:
-                    secret, _ = await store.create(f"{role.value}-token", role, actor="tests")
-                    remote.tokens[role] = secret
-            finally:
-                await client.aclose()
-
-        asyncio.run(create())
-        poll(lambda: _ready(remote.url), 30, what="the server ready")
-        yield remote
-
-
-def _ready(url: str) -> bool:
-    try:
-        return httpx.get(url + "/readyz", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
+    with serving("cli-remote") as served:  # an orchestrator and a worker
+        yield Remote(served)
 
 
 def test_start_wait_status_and_history_go_through_the_api_and_print_what_the_direct_path_prints(
@@ -245,3 +217,19 @@ def test_refusals_say_what_is_wrong(remote: Remote) -> None:
     # a command with no API twin refuses the server
     direct_only = remote.saga("reconcile")
     assert direct_only.returncode == 2 and "goes to RabbitMQ/Redis directly" in direct_only.stderr
+
+
+def test_dead_letters_purge_through_the_api(remote: Remote) -> None:
+    # Given a letter on the rejected queue
+    rejected = remote.stack.settings.names().rejected_queue
+    remote.stack.publish_raw("", rejected, b"not a message")
+    poll(lambda: remote.stack.queue_depths().get(rejected) == 1, 10, what="the letter on the rejected queue")
+    # A purge without --yes is refused before any request; one by a role that may not is refused by the API
+    assert remote.saga("dead-letters", "purge", "--queue", rejected).returncode == 2
+    denied = remote.saga("dead-letters", "purge", "--yes", "--queue", rejected, role=Role.APPROVER)
+    assert denied.returncode == 2 and "operator" in denied.stderr
+    assert remote.stack.queue_depths()[rejected] == 1
+    # The operator's purge says how many went, as the direct path does, and they are gone
+    done = remote.saga_json("dead-letters", "purge", "--yes", "--queue", rejected)
+    assert done == {"queues": [{"queue": rejected, "exists": True, "purged": 1}]}
+    poll(lambda: remote.stack.queue_depths()[rejected] == 0, 15, what="the rejected queue empty")

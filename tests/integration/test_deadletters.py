@@ -232,9 +232,7 @@ def test_list_and_show_describe_every_dead_letter_and_leave_it_in_place(stack: S
     text = saga(stack, "list")
     assert text.returncode == 0, text.stderr
     assert (
-        dead.message_id in text.stdout
-        and "rejected x1" in text.stdout
-        and f"from {PARALLEL}" in text.stdout
+        dead.message_id in text.stdout and "rejected x1" in text.stdout and f"from {PARALLEL}" in text.stdout
     )
 
     # And every message is still where it was, in the same order, each read counted as a delivery

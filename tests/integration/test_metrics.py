@@ -4,7 +4,6 @@ after runs, must count exactly what the runs did."""
 from __future__ import annotations
 
 import functools
-import socket
 import urllib.error
 import urllib.request
 import uuid
@@ -14,6 +13,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from orchestrator.client import SyncClient
+from tests.integration.own_redis import free_port
 from tests.integration.stack import Stack, poll
 
 pytestmark = pytest.mark.services
@@ -22,12 +22,6 @@ RUNS = 5
 RENDER = "thumbnail.render@3"
 SHARDS = {"fast.0", "fast.1", "slow.0", "slow.1"}  # the stack's shard map: two classes, two shards each
 Samples = list[tuple[str, dict[str, str], float]]
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def scrape(port: int) -> Samples | None:

@@ -5,7 +5,6 @@ audit records and run history, and a cursor that pages stably while runs keep st
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import Iterator
 from typing import Any
 
@@ -15,57 +14,21 @@ import pytest
 from orchestrator.auth.roles import Role
 from orchestrator.auth.tokens import TokenStore
 from orchestrator.settings import redis_client
-from tests.integration.stack import ROOT, Stack, poll, running
+from tests.integration.served import Served, serving
+from tests.integration.stack import ROOT, poll
 
 pytestmark = pytest.mark.services
 
 MODEL_INGEST = (ROOT / "definitions" / "model-ingest.yaml").read_text()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Api:
-    def __init__(self, stack: Stack, port: int) -> None:
-        self.stack = stack
-        self.base = f"http://127.0.0.1:{port}"
-        self.tokens: dict[Role, str] = {}
-
-    def call(self, method: str, path: str, role: Role | None, **kwargs: Any) -> httpx.Response:
-        headers = {"Authorization": f"Bearer {self.tokens[role]}"} if role else {}
-        return httpx.request(method, self.base + path, headers=headers, timeout=30, **kwargs)
+Api = Served
 
 
 @pytest.fixture(scope="module")
 def api() -> Iterator[Api]:
-    with running("server") as stack:  # an orchestrator and a worker
-        port = free_port()
-        stack._spawn("server", ["server", "--port", str(port)], None)
-        api = Api(stack, port)
-
-        async def create() -> None:
-            client = redis_client(stack.settings)
-            try:
-                store = TokenStore(client, stack.prefix)
-                for role in Role:
-                    secret, _ = await store.create(f"{role.value}-token", role, actor="tests")
-                    api.tokens[role] = secret
-            finally:
-                await client.aclose()
-
-        asyncio.run(create())
-        poll(lambda: _ready(api), 30, what="the server ready")
-        yield api
-
-
-def _ready(api: Api) -> bool:
-    try:
-        return httpx.get(api.base + "/readyz", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
+    with serving("server") as served:
+        yield served
 
 
 def test_no_token_is_401_and_a_role_that_may_not_is_403_naming_the_role(api: Api) -> None:
@@ -170,6 +133,11 @@ def test_an_author_publishes_an_approver_activates_and_the_audit_names_their_tok
         "GET", "/api/v1/definitions/model-ingest/diff", Role.VIEWER, params={"v1": "2.3.0", "v2": "2.9.0"}
     )
     assert diff.json()["stages_changed"]["render-thumbnail"][0]["after"] == 250000
+    unknown = api.call(
+        "GET", "/api/v1/definitions/model-ingest/diff", Role.VIEWER, params={"v1": "2.3.0", "v2": "9.9.9"}
+    )
+    assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "version_not_found"
+    assert "2.9.0" in unknown.json()["error"]["message"]  # it names the versions there are
     retired = api.call(
         "POST", "/api/v1/definitions/model-ingest/retire", Role.APPROVER, json={"version": "2.9.0"}
     )
