@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-fast test-cluster lint typecheck unit rest install clean
+.PHONY: demo console test test-fast test-cluster lint typecheck unit rest install clean
 
 # Unit tests (no services, seconds) run before the rest (RabbitMQ + Redis, minutes), so a unit failure
 # shows at once. Together the two runs cover every test under tests/ (pyproject testpaths) except those
@@ -31,6 +31,9 @@ $(CHROMIUM):
 
 demo: $(STAMP)
 	$(BIN)/python scripts/demo.py
+
+console: $(STAMP)  # the web console with runs to look at (scripts/console.py); Ctrl-C stops it
+	$(BIN)/python scripts/console.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check orchestrator workers tests

@@ -37,7 +37,7 @@ from workers.demo.effects import DemoWorld
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO_NAMESPACE = "demo"  # the demo's own environment, emptied at every start
-LOGS = ROOT / ".demo"
+LOGS = Path(os.environ.get("SAGA_DEMO_LOGS") or ROOT / ".demo")  # the processes' logs
 SLOW_MS = {
     "thumbnail.render": 700,
     "semantic.analyse": 900,
