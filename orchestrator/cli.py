@@ -683,7 +683,8 @@ def dead_letters_purge(
         raise click.UsageError("purge deletes dead letters for good: pass --yes (see them first with 'list')")
     if remote := remote_client():
         refuse_local_registry(modules, registry_file)
-        found = _run_remote(remote.request("POST", "/dead-letters/purge", body={"queue": queue}))["queues"]
+        body = {"queue": queue, "all": queue is None}
+        found = _run_remote(remote.request("POST", "/dead-letters/purge", body=body))["queues"]
         purged = [deadletters.Purged(q["queue"], q["exists"], q["purged"]) for q in found]
     else:
         queues = _dead_letter_queues(queue, modules, registry_file)

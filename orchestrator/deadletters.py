@@ -37,7 +37,7 @@ import base64
 import hashlib
 import json
 import re
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -564,10 +564,15 @@ async def replay(
 
 
 async def purge(
-    connection: aio_pika.abc.AbstractConnection, queues: Iterable[str], *, missing_ok: bool
+    connection: aio_pika.abc.AbstractConnection,
+    queues: Iterable[str],
+    *,
+    missing_ok: bool,
+    on_purged: Callable[[Purged], None] | None = None,
 ) -> list[Purged]:
     """Delete every ready message on each of ``queues`` (dead-letter queues only); with ``missing_ok`` an
-    absent queue is reported as such instead of raising :class:`QueueNotFound`."""
+    absent queue is reported as such instead of raising :class:`QueueNotFound`. ``on_purged`` hears of
+    each queue as soon as it is purged, so what went is known even when a later queue fails."""
     done = []
     for queue in queues:
         try:
@@ -578,4 +583,6 @@ async def purge(
             if not missing_ok:
                 raise
             done.append(Purged(queue, False, 0))
+        if on_purged is not None:
+            on_purged(done[-1])
     return done

@@ -81,7 +81,7 @@ def problems(status: Status, now: float) -> list[str]:
     if status.checked_at is not None and now - status.checked_at > status.valid_s:
         found.append(
             f"not checked for {now - status.checked_at:.0f} s: the process's event loop is not running "
-            "its checks (blocked?)"
+            "its checks (blocked, e.g. by a handler that does not yield: see the process's log)"
         )
     return found
 

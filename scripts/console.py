@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -66,24 +67,90 @@ async def start_runs(settings: Settings, count: int) -> list[str]:
     return run_ids
 
 
-def check_alive(processes: dict[str, subprocess.Popen[bytes]]) -> None:
+def check_alive(processes: dict[str, subprocess.Popen[bytes]], port: int) -> None:
     """Stop the script, naming the process and its log, when one of its processes has exited."""
     for name, process in processes.items():
         if process.poll() is not None:
-            sys.exit(f"console: the {name} process exited ({process.returncode}); see {LOGS}/{name}.log")
+            hint = f" (is port {port} taken? give another with --port)" if name == "server" else ""
+            log = LOGS / f"{name}.log"
+            sys.exit(f"console: the {name} process exited ({process.returncode}){hint}; see {log}")
 
 
-def wait_ready(url: str, processes: dict[str, subprocess.Popen[bytes]]) -> None:
+def ready(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/readyz", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def wait_ready(probes: dict[str, str], processes: dict[str, subprocess.Popen[bytes]], port: int) -> None:
+    """Until every process's /readyz answers 200 (the orchestrator's and worker's on their metrics
+    port: they consume their queues)."""
     deadline = time.monotonic() + READY_TIMEOUT_S
-    while time.monotonic() < deadline:
-        check_alive(processes)
-        try:
-            if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
+    waiting = dict(probes)
+    while waiting and time.monotonic() < deadline:
+        check_alive(processes, port)
+        waiting = {name: url for name, url in waiting.items() if not ready(url)}
         time.sleep(0.3)
-    sys.exit(f"console: the server at {url} was not ready in {READY_TIMEOUT_S:g} s; see {LOGS}/server.log")
+    if waiting:
+        names = ", ".join(waiting)
+        sys.exit(f"console: {names} not ready within {READY_TIMEOUT_S:g} s; see the logs in {LOGS}/")
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+Processes = dict[str, subprocess.Popen[bytes]]
+
+
+def serve(args: argparse.Namespace, settings: Settings, processes: Processes) -> None:
+    """Start the processes (into ``processes``, so the caller stops whatever started), wait until they
+    are ready, make a token and the runs, print where to go, then wait for Ctrl-C or SIGTERM."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    url = f"http://{host}:{args.port}"
+    probes = {"server": url}
+    for name, command in (("orchestrator", ["orchestrator"]), ("worker", ["worker"])):
+        port = free_port()
+        processes[name] = spawn(name, [*command, "--metrics-port", str(port)], env)
+        probes[name] = f"http://127.0.0.1:{port}"
+    processes["server"] = spawn("server", ["server", "--host", args.host, "--port", str(args.port)], env)
+    wait_ready(probes, processes, args.port)
+    token = asyncio.run(make_token(settings))
+    run_ids = asyncio.run(start_runs(settings, args.runs)) if args.runs else []
+    logs = os.path.relpath(LOGS)
+    print(f"▸ orchestrator, worker pool and server started (logs in {logs}/), {len(run_ids)} runs")
+    print(f"\n  console:  {url}/")
+    print(f"  token:    {token}")
+    print("            (an admin token, shown once: paste it on the sign-in page; SAGA_TOKEN for")
+    print(f"             'saga --server {url} ...')")
+    print("\n  Ctrl-C stops the server, the orchestrator and the worker pool.", flush=True)
+    while True:
+        check_alive(processes, args.port)
+        time.sleep(0.5)
+
+
+def stop_all(processes: dict[str, subprocess.Popen[bytes]]) -> None:
+    """Stop every process started: SIGTERM, then SIGKILL for one still there after 30 s (or at a second
+    Ctrl-C)."""
+    for process in processes.values():
+        if process.poll() is None:
+            process.terminate()
+    try:
+        for process in processes.values():
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        for process in processes.values():
+            if process.poll() is None:
+                process.kill()
 
 
 def main() -> None:
@@ -98,46 +165,19 @@ def main() -> None:
     registry = Registry.from_modules(settings.contracts)
     check_services(settings)
     prepare(settings, registry)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    processes = {
-        "orchestrator": spawn("orchestrator", ["orchestrator"], env),
-        "worker": spawn("worker", ["worker"], env),
-        "server": spawn("server", ["server", "--host", args.host, "--port", str(args.port)], env),
-    }
-    stopping = False
-
-    def stop(signum: int, frame: FrameType | None) -> None:
-        nonlocal stopping
-        stopping = True
-
-    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM stops it as Ctrl-C does
+    processes: dict[str, subprocess.Popen[bytes]] = {}
     try:
-        url = f"http://{args.host}:{args.port}"
-        wait_ready(url, processes)
-        token = asyncio.run(make_token(settings))
-        run_ids = asyncio.run(start_runs(settings, args.runs)) if args.runs else []
-        logs = os.path.relpath(LOGS)
-        print(f"▸ orchestrator, worker pool and server started (logs in {logs}/), {len(run_ids)} runs")
-        print(f"\n  console:  {url}/")
-        print(f"  token:    {token}")
-        print("            (an admin token, shown once: paste it on the sign-in page; SAGA_TOKEN for")
-        print(f"             'saga --server {url} ...')")
-        print("\n  Ctrl-C stops the server, the orchestrator and the worker pool.", flush=True)
-        while not stopping:
-            check_alive(processes)
-            time.sleep(0.5)
+        serve(args, settings, processes)
     except KeyboardInterrupt:
         pass
     finally:
-        for process in processes.values():
-            if process.poll() is None:
-                process.terminate()
-        for process in processes.values():
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
+        stop_all(processes)
         print("▸ stopped", flush=True)
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from orchestrator.auth.roles import Action, Identity
 from orchestrator.bus.connect import connect_once
 from orchestrator.bus.topology import topology_for
 from orchestrator.server.auth import Reader, require
+from orchestrator.server.errors import ApiError
 from orchestrator.store import shardmap_store
 
 router = APIRouter(prefix="/api/v1", tags=["operations"])
@@ -113,20 +114,31 @@ async def replay(body: Replay, request: Request, _: DeadLetterHandler) -> dict[s
 
 
 class Purge(BaseModel):
-    queue: str | None = Field(None, description="one dead-letter queue; null: every one of the topology")
+    queue: str | None = Field(None, description="one dead-letter queue (or null, with all)")
+    all: bool = Field(False, description="with no queue: purge every dead-letter queue of the topology")
 
 
 @router.post("/dead-letters/purge", tags=["dead letters"])
 async def purge(body: Purge, request: Request, who: DeadLetterHandler) -> dict[str, Any]:
-    """Delete every message on the dead-letter queues (or ``queue``) for good; how many each held."""
+    """Delete every message on ``queue`` (or, with ``all``, on every dead-letter queue) for good; how
+    many each held."""
+    if body.queue is None and not body.all:
+        raise ApiError(
+            422,
+            "invalid_request",
+            "purge deletes dead letters for good: name the dead-letter queue in 'queue', or set 'all': "
+            "true to purge every one (GET /api/v1/dead-letters shows what would go)",
+        )
+
+    def purged(done: deadletters.Purged) -> None:
+        # nothing else keeps a trace of what went: the log names who purged what, queue by queue
+        if done.removed:
+            _log.warning("dead letters purged by %s: %d from %s", who.name, done.removed, done.queue)
+
     done = await _on_queues(
-        request, body.queue, lambda c, qs: deadletters.purge(c, qs, missing_ok=body.queue is None)
-    )
-    # nothing else keeps a trace of what went: the log names who purged what
-    _log.warning(
-        "dead letters purged by %s: %s",
-        who.name,
-        ", ".join(f"{p.queue}={p.removed}" for p in done if p.removed) or "none held any",
+        request,
+        body.queue,
+        lambda c, qs: deadletters.purge(c, qs, missing_ok=body.queue is None, on_purged=purged),
     )
     return {"queues": [{"queue": p.queue, "exists": p.exists, "purged": p.removed} for p in done]}
 

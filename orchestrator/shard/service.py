@@ -131,7 +131,10 @@ class ShardService:
 
     def consuming(self) -> str | None:
         """None when the process consumes every shard queue it is to serve (as active or standby
-        consumer); else what it does not (``/readyz``, ``orchestrator/health.py``)."""
+        consumer); else what it does not (``/readyz``, ``orchestrator/health.py``). Draining after
+        SIGTERM, it is not ready, whatever it still consumes."""
+        if self._stopping.is_set():
+            return "stopping"
         return health.shard_consumption(self._share, self._subscribed)
 
     async def run(self) -> None:

@@ -65,7 +65,6 @@ def test_a_url_that_is_not_http_is_refused() -> None:
     [
         (("--server", "http://127.0.0.1:9", "reconcile"), {}),
         (("--server", "http://127.0.0.1:9", "topology", "export"), {}),
-        (("dead-letters", "purge", "--yes"), {"SAGA_SERVER_URL": "http://127.0.0.1:9"}),
         (("contracts", "list", "--live"), {"SAGA_SERVER_URL": "http://127.0.0.1:9"}),
         (("--server", "http://127.0.0.1:9", "worker", "--app", "workers.demo"), {}),
     ],

@@ -232,4 +232,6 @@ def test_dead_letters_purge_through_the_api(remote: Remote) -> None:
     # The operator's purge says how many went, as the direct path does, and they are gone
     done = remote.saga_json("dead-letters", "purge", "--yes", "--queue", rejected)
     assert done == {"queues": [{"queue": rejected, "exists": True, "purged": 1}]}
+    # and the server's log names who purged what
+    assert f"dead letters purged by operator-token: 1 from {rejected}" in remote.stack.log("server")
     poll(lambda: remote.stack.queue_depths()[rejected] == 0, 15, what="the rejected queue empty")

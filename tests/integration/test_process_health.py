@@ -139,6 +139,11 @@ def test_alive_and_ready_once_consuming_a_standby_too(probed: Probed) -> None:
     # Then it is ready as the queue's standby consumer (single active consumer: the first one stays active)
     until(ports["standby"], ready, "the standby orchestrator to be ready")
     assert sorted(consumers(stack, Names().shard_queue("fast.0"))) == [False, True]
+    # and the worker, ready, consumes its task queues again (its readiness is not only its own word)
+    task_queues = {
+        q: n for q, n in stack.list_queues("consumers").items() if ".task." in q and not q.endswith(".dlq")
+    }
+    assert task_queues and all(n >= 1 for n in task_queues.values()), task_queues
 
 
 def test_not_ready_naming_redis_while_it_is_down_and_ready_again_once_back(probed: Probed) -> None:

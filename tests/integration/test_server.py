@@ -202,6 +202,18 @@ def test_shards_dead_letters_and_tokens_have_their_api_twins(api: Api) -> None:
     missing = api.call("GET", "/api/v1/dead-letters/no-such-id", Role.AUTHOR)
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "message_not_found"
     assert api.call("POST", "/api/v1/dead-letters/replay", Role.AUTHOR, json={}).status_code == 403
+    # purge: an operator's, naming a dead-letter queue or all of them, never by default
+    assert api.call("POST", "/api/v1/dead-letters/purge", Role.AUTHOR, json={"all": True}).status_code == 403
+    unnamed = api.call("POST", "/api/v1/dead-letters/purge", Role.OPERATOR, json={})
+    assert unnamed.status_code == 422 and "'all': true" in unnamed.json()["error"]["message"]
+    live = api.call("POST", "/api/v1/dead-letters/purge", Role.OPERATOR, json={"queue": "saga.shard.fast.0"})
+    assert live.status_code == 400 and live.json()["error"]["code"] == "not_a_dead_letter_queue", live.text
+    everything = api.call("POST", "/api/v1/dead-letters/purge", Role.OPERATOR, json={"all": True})
+    assert everything.status_code == 200 and all(
+        {"queue", "exists", "purged"} == set(q) for q in everything.json()["queues"]
+    )
+    for held in (q for q in everything.json()["queues"] if q["purged"]):  # each named in the log
+        assert f"purged by operator-token: {held['purged']} from {held['queue']}" in api.stack.log("server")
     # tokens: an admin's, and nobody else's
     assert api.call("GET", "/api/v1/tokens", Role.OPERATOR).status_code == 403
     made = api.call("POST", "/api/v1/tokens", Role.ADMIN, json={"name": "ci-bot", "role": "viewer"})

@@ -241,6 +241,30 @@ def test_metrics_are_served_as_before(served: tuple[Readiness, int]) -> None:
     assert 'saga_callbacks_refused_total{reason="unit-test-health-scrape"} 1.0' in body.decode()
 
 
+def test_a_blocked_loop_does_not_block_the_probe_and_its_stale_reading_fails_it(
+    served: tuple[Readiness, int],
+) -> None:
+    readiness, port = served
+    readiness.set(Status(redis=None, broker=None, consuming=None, checked_at=time.monotonic(), valid_s=0.3))
+    answers: list[tuple[int, bytes, float]] = []
+
+    def probe() -> None:
+        time.sleep(0.6)  # the reading is stale by now
+        started = time.monotonic()
+        code, body = get(port, "/readyz")
+        answers.append((code, body, time.monotonic() - started))
+
+    async def blocked() -> None:
+        prober = threading.Thread(target=probe)
+        prober.start()
+        time.sleep(1.2)  # a handler that never yields: the loop runs nothing meanwhile
+        prober.join()
+
+    asyncio.run(blocked())
+    ((code, body, took_s),) = answers
+    assert code == 503 and b"not checked for" in body and took_s < 1.0
+
+
 def test_the_probe_answers_while_the_loop_waits_on_a_hung_redis(served: tuple[Readiness, int]) -> None:
     readiness, port = served
     readiness.set(Status(redis=None, broker=None, consuming=None, checked_at=time.monotonic(), valid_s=60.0))
