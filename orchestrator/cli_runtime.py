@@ -36,6 +36,7 @@ from orchestrator.shardmap import ShardMap, owners, pinned
 from orchestrator.store import membership, shardmap_store
 from orchestrator.store.redis_store import RedisStore
 from orchestrator.store.shardmap_store import current_map
+from orchestrator.trace import TRACE
 
 if TYPE_CHECKING:
     from workers.sdk import Handler
@@ -132,6 +133,7 @@ def orchestrator(
     take over the shards of one that stops or dies (its lease ends) within seconds. --shards pins it."""
     settings = _settings()
     logs.configure(settings, verbose)
+    TRACE.configure(settings.trace_dir, "orchestrator")
     _require_durability(settings, Role.ORCHESTRATOR)
     try:
         shard_map = asyncio.run(current_map(settings, seed=False))
@@ -275,6 +277,7 @@ def worker(
 
     settings = _settings()
     logs.configure(settings, verbose)
+    TRACE.configure(settings.trace_dir, "worker")
     _require_durability(settings, Role.WORKER)
     handlers = _handlers_of_apps(apps)
     serving = serving_queues([h.contract for h in handlers.values()], queues)

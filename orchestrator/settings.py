@@ -140,6 +140,11 @@ class Settings(BaseSettings):
         None, description="the control-plane server the CLI goes through (saga --server URL); unset: direct"
     )
     token: str | None = Field(None, description="the bearer token the CLI presents to SAGA_SERVER_URL")
+    trace_dir: str | None = Field(
+        None,
+        description="for the bench's latency breakdown: each process appends timestamps of every message "
+        "hop and processing step to a file of its own in this folder (orchestrator/trace.py); unset: off",
+    )
     crash_points: Annotated[tuple[str, ...], NoDecode] = Field(
         (), description="fault injection for tests only: kill -9 this process at these named points"
     )

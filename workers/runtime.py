@@ -54,6 +54,7 @@ from orchestrator.bus.publisher import Publisher
 from orchestrator.bus.topology import TaskQueueLayout, declare_task_queue
 from orchestrator.engine import ids, sizes
 from orchestrator.store.worker_registry import Presence, WorkerInfo
+from orchestrator.trace import TRACE
 from workers.acks import AckCoalescer
 from workers.sdk import Handler, PermanentFailure
 from workers.serial_lane import Lease, SerialLane
@@ -297,6 +298,7 @@ class WorkerRuntime:
         *,
         serial: bool,
     ) -> None:
+        TRACE.event("received", message.message_id or "")
         if acks is not None:
             acks.delivered(message)
         task = asyncio.create_task(self._handle(message, publisher, pool, _Settle(message, acks), serial))
@@ -312,7 +314,9 @@ class WorkerRuntime:
         serial: bool,
     ) -> None:
         try:
-            envelope = decode(message.body, self.signer, self.max_message_bytes)
+            with TRACE.span("decode", [message.message_id or ""]):
+                envelope = decode(message.body, self.signer, self.max_message_bytes)
+            TRACE.decoded(envelope)
             if envelope.contract not in self.handlers:
                 # only a copy put on the wrong contract queue by hand can get here (routing is by contract)
                 raise EnvelopeRejected(
@@ -379,7 +383,8 @@ class WorkerRuntime:
             )
             await settle.requeue()
             return
-        await settle.ack()  # the result is confirmed: the task may be acked
+        with TRACE.span("ack", [envelope.message_id]):
+            await settle.ack()  # the result is confirmed: the task may be acked
 
     async def _wait_turn(
         self, envelope: Envelope, serial: bool, message: AbstractIncomingMessage
@@ -426,7 +431,8 @@ class WorkerRuntime:
         beating = self._heartbeats(publisher, envelope, report.get("heartbeat_ms"))
         started = time.perf_counter()
         try:
-            outcome = await self._execute(envelope, pool, turn)
+            with TRACE.span("handler", [envelope.message_id]):
+                outcome = await self._execute(envelope, pool, turn)
         finally:
             if beating is not None:
                 beating.cancel()

@@ -25,6 +25,7 @@ from orchestrator.bus.envelope import Envelope, Signer, encode, signed_message
 from orchestrator.bus.names import Names
 from orchestrator.bus.topology import TaskQueueLayout, declare_task_queue
 from orchestrator.engine.model import Outgoing
+from orchestrator.trace import TRACE
 
 log = logging.getLogger(__name__)
 
@@ -262,6 +263,7 @@ class Publisher:
             channel = self.channel
         underlay = await channel.get_underlay_channel()
         started = time.perf_counter()
+        TRACE.event("sent", message_id)
         confirmation = await underlay.basic_publish(
             body,
             exchange=exchange,
@@ -271,6 +273,7 @@ class Publisher:
             wait=False,  # type: ignore[call-arg]  # the concrete aiormq channel takes it
         )
         metrics.publish_confirmed(time.perf_counter() - started)
+        TRACE.event("confirmed", message_id)
         if not isinstance(confirmation, spec.Basic.Ack):
             await self._renew(channel)
             raise aiormq.exceptions.DeliveryError(None, confirmation)  # type: ignore[arg-type]

@@ -33,6 +33,7 @@ from orchestrator.governance.lifecycle import NotStartable, State, choose
 from orchestrator.governance.store import DefinitionStore, DigestInfo
 from orchestrator.shard.events import start_body, to_event
 from orchestrator.store.redis_store import APPLIED, CONFLICT, NO_RUN, PlanNotFound, RedisStore
+from orchestrator.trace import TRACE
 
 # Kinds that continue an existing run on its shard (everything but a start).
 CONTINUES = frozenset(
@@ -91,7 +92,8 @@ class Processor:
             outcomes[i] = await self._handle(shard, envelopes[i])
         # (index, event, plan, digest or None: a continue takes its run's pinned digest)
         work: list[tuple[int, Event, dict[str, Any] | None, str | None]] = []
-        work += await self._claimed_starts(shard, starts, envelopes, outcomes)
+        with TRACE.span("claim", [envelopes[i].message_id for i in starts]):
+            work += await self._claimed_starts(shard, starts, envelopes, outcomes)
         for i in continues:
             event = to_event(envelopes[i])
             if isinstance(event, str):
@@ -101,18 +103,40 @@ class Processor:
         if not work:
             return
         runs = list(dict.fromkeys(envelopes[i].run_id for i, *_ in work))  # map items of one run share a read
-        read = dict(zip(runs, await self.store.snapshots(shard, [(run, None) for run in runs]), strict=True))
+        traced = [envelopes[i].message_id for i, *_ in work]
+        with TRACE.span("snapshot", traced):
+            snapshots = await self.store.snapshots(shard, [(run, None) for run in runs])
+        read = dict(zip(runs, snapshots, strict=True))
         ready: list[tuple[int, Event, dict[str, Any], Decision]] = []
         now = self.clock_ms()
+        with TRACE.span("engine", traced):
+            careful = await self._decide_round(shard, work, envelopes, read, now, ready)
+        for i in careful:
+            outcomes[i] = await self._handle(shard, envelopes[i])  # the careful path handles it
+        with TRACE.span("lua", traced):
+            await self._apply_ready(shard, ready, envelopes, outcomes, now)
+
+    async def _decide_round(
+        self,
+        shard: str,
+        work: list[tuple[int, Event, dict[str, Any] | None, str | None]],
+        envelopes: list[Envelope],
+        read: dict[str, RunSnapshot | None],
+        now: int,
+        ready: list[tuple[int, Event, dict[str, Any], Decision]],
+    ) -> list[int]:
+        """The engine's decision for each message of the round whose plan and snapshot are in hand,
+        appended to ``ready``; returns the messages the careful path must handle instead."""
+        careful = []
         for i, event, start_plan, start_digest in work:
             snapshot = read[envelopes[i].run_id]
             digest = start_digest or (snapshot.digest if snapshot else None)
             plan = start_plan or (await self.store.plan(digest) if digest else None)
             if plan is None or digest is None or (start_plan is None and _needs_map_results(event, plan)):
-                outcomes[i] = await self._handle(shard, envelopes[i])  # the careful path handles it
+                careful.append(i)
                 continue
             ready.append((i, event, plan, advance(plan, digest, snapshot, event, now, self.limits)))
-        await self._apply_ready(shard, ready, envelopes, outcomes, now)
+        return careful
 
     async def _claimed_starts(
         self, shard: str, starts: list[int], envelopes: list[Envelope], outcomes: list[Outcome | None]

@@ -38,6 +38,7 @@ from orchestrator.engine.sizes import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_MAX_TRA
 from orchestrator.reconcile import Reconciler
 from orchestrator.shard.processor import Outcome, Processor
 from orchestrator.store.redis_store import RedisStore
+from orchestrator.trace import TRACE
 
 log = logging.getLogger(__name__)
 # TimeoutError: a Redis step that outlived ShardOptions.redis_timeout_s.
@@ -237,7 +238,7 @@ class ShardService:
         # Passive: a shard queue that is not there (retired, or no topology applied) is an error here.
         queue = await channel.declare_queue(self.options.names.shard_queue(shard), passive=True)
         inbox: asyncio.Queue[AbstractIncomingMessage] = asyncio.Queue()
-        tag = await queue.consume(inbox.put, no_ack=False)
+        tag = await queue.consume(_traced(inbox.put) if TRACE.enabled else inbox.put, no_ack=False)
         metrics.shard_state(shard, active=False)  # until a delivery says this is the active consumer
         self._subscribed.add(shard)
         try:
@@ -282,13 +283,19 @@ class ShardService:
         metrics.batch(shard, len(batch))
         faults.crash(self.options.crash_points, "after-consume")
         valid: list[_Delivery] = []
-        for delivery in deliveries:
-            try:
-                delivery.envelope = decode(delivery.message.body, self.signer, self.options.max_message_bytes)
-            except EnvelopeRejected as exc:
-                delivery.outcome = Outcome(rejected=(exc.reason, exc.detail))
-                continue
-            valid.append(delivery)
+        with TRACE.span("decode", _ids(deliveries)):
+            for delivery in deliveries:
+                try:
+                    delivery.envelope = decode(
+                        delivery.message.body, self.signer, self.options.max_message_bytes
+                    )
+                except EnvelopeRejected as exc:
+                    delivery.outcome = Outcome(rejected=(exc.reason, exc.detail))
+                    continue
+                valid.append(delivery)
+        if TRACE.enabled:
+            for delivery in valid:
+                TRACE.decoded(delivery.envelope)
         try:
             async with asyncio.timeout(self.options.redis_timeout_s):
                 outcomes = await self.processor.handle_batch(shard, [d.envelope for d in valid if d.envelope])
@@ -342,13 +349,15 @@ class ShardService:
         outgoing: list[Outgoing] = [m for d in deliveries if d.outcome for m in d.outcome.publish]
         if outgoing:
             faults.crash(self.options.crash_points, "after-commit")
-        outgoing, done_locally = await self._continue_locally(shard, outgoing)
+        with TRACE.span("local", _ids(deliveries)):
+            outgoing, done_locally = await self._continue_locally(shard, outgoing)
         # Every transition of the batch has committed, and what it causes sits in the outbox: the
         # deliveries may be acked now (invariant 4), in the same socket write as the publishes below.
         # Forwards and refusals are not in the outbox, so those batches ack after they are confirmed.
         passing_on = any(d.outcome and (d.outcome.forward_to or d.outcome.rejected) for d in deliveries)
         if not passing_on:
-            await self._ack(shard, deliveries)
+            with TRACE.span("ack", _ids(deliveries)):
+                await self._ack(shard, deliveries)
         await self._publish_and_mark(shard, publisher, outgoing, done_locally)
         if passing_on:
             await self._pass_on(shard, deliveries, publisher)
@@ -359,11 +368,13 @@ class ShardService:
     ) -> None:
         """Publish what committed transitions caused, then mark the confirmed (and the locally applied)
         entries sent; what is not confirmed stays in the outbox for the relay."""
-        confirmed = await self._publish(publisher, outgoing)
+        with TRACE.span("publish", [m.message_id for m in outgoing]):
+            confirmed = await self._publish(publisher, outgoing)
         if confirmed:
             faults.crash(self.options.crash_points, "after-confirm")
-        async with asyncio.timeout(self.options.redis_timeout_s):
-            await self.store.mark_sent(shard, confirmed + done_locally)
+        with TRACE.span("mark_sent", confirmed):
+            async with asyncio.timeout(self.options.redis_timeout_s):
+                await self.store.mark_sent(shard, confirmed + done_locally)
 
     async def _publish(self, publisher: Publisher, outgoing: list[Outgoing]) -> list[str]:
         if outgoing and "before-confirm" in self.options.crash_points:
@@ -494,3 +505,19 @@ class ShardService:
                 len(report.republished),
                 len(report.unsent),
             )
+
+
+def _ids(deliveries: list[_Delivery]) -> list[str]:
+    return [d.message.message_id or "" for d in deliveries]
+
+
+def _traced(
+    put: Callable[[AbstractIncomingMessage], Awaitable[None]],
+) -> Callable[[AbstractIncomingMessage], Awaitable[None]]:
+    """``put``, first recording when each delivery arrived (tracing on)."""
+
+    async def received(message: AbstractIncomingMessage) -> None:
+        TRACE.event("received", message.message_id or "")
+        await put(message)
+
+    return received

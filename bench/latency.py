@@ -1,0 +1,297 @@
+"""Where a model-ingest run's latency goes: per hop kind, per processing step, against the bare hop.
+
+    python bench/latency.py [--runs 20] [--pings 200] [--keep]
+
+Runs one orchestrator and one worker (no-op handlers, as ``bench/run.py``) with tracing on
+(``SAGA_TRACE_DIR``, ``orchestrator/trace.py``), the client in this process tracing too, and ``--runs``
+model-ingest runs one after another (after one warm-up run). Then, on the same broker and vhost, the
+bare hop: a persistent message published with a confirm to a quorum queue and delivered to a consumer on
+another connection, ``--pings`` times one after another. It prints JSON lines, as ``bench/run.py`` does:
+
+- ``latency p50``: the runs' latency, from the client's publish of the start to the end of the
+  transition that ended the run (its finaliser's result applied), on the machine's one clock;
+- ``hop p50`` per hop kind: ``start`` (client -> shard), ``task`` (shard -> worker), ``result``
+  (worker -> shard): from the sender's publish to the receiver's delivery; ``bare hop p50`` beside them;
+- ``step p50`` per process and step: orchestrator ``inbox`` (delivered, waiting for its batch),
+  ``decode`` (decode and verify), ``snapshot`` (the runs' read), ``engine``, ``lua`` (the transitions'
+  call), ``local`` (barrier releases applied in-process), ``ack``, ``publish`` (publish and confirm),
+  ``mark_sent``; worker ``inbox``, ``decode``, ``handler``, ``publish`` (the result, to its confirm),
+  ``ack``; the client's ``publish``;
+- ``own time per hop``: (latency - critical-path hops x bare hop - handler time) / hops, the time that is
+  saga's own; the critical path of model-ingest is 11 hops (the start, then a task and its result for
+  cache-lookup, render, the fork's branches in parallel, publish and the finaliser; the join and the
+  decision are applied in-process);
+
+and on stderr the timeline of the median run: every hop and step, in order, from the start's publish.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import aio_pika  # noqa: E402
+
+from bench.run import Watcher, emit  # noqa: E402
+from bench.stack import BenchStack  # noqa: E402
+from orchestrator.bus.connect import connect_once  # noqa: E402
+from orchestrator.client import Client  # noqa: E402
+from orchestrator.trace import TRACE  # noqa: E402
+
+CRITICAL_HOPS = 11
+HOP_KINDS = {"start": "start", "task": "task", "result": "result"}
+MS = 1e-6  # nanoseconds to milliseconds
+
+
+# ---- the bare hop ----------------------------------------------------------------------------------
+
+
+async def bare_hop(amqp_url: str, pings: int) -> tuple[list[float], list[float]]:
+    """``pings`` persistent messages, one after another, published with a confirm to a quorum queue and
+    delivered to a consumer on another connection: (publish -> delivery, publish -> confirm) in ms."""
+    sender, receiver = await connect_once(amqp_url), await connect_once(amqp_url)
+    try:
+        out = await sender.channel(publisher_confirms=True)
+        inbound = await receiver.channel()
+        queue = await inbound.declare_queue(
+            "bench.bare-hop", durable=True, arguments={"x-queue-type": "quorum"}
+        )
+        arrived: asyncio.Queue[int] = asyncio.Queue()
+
+        async def on_message(message: aio_pika.abc.AbstractIncomingMessage) -> None:
+            await arrived.put(time.time_ns())
+            await message.ack()
+
+        await queue.consume(on_message)
+        hops, confirms = [], []
+        for i in range(pings + 10):  # the first ten warm the path up
+            body = aio_pika.Message(b"x" * 600, delivery_mode=aio_pika.DeliveryMode.PERSISTENT)
+            sent = time.time_ns()
+            await out.default_exchange.publish(body, routing_key=queue.name)
+            confirmed = time.time_ns()
+            delivered = await arrived.get()
+            if i >= 10:
+                hops.append((delivered - sent) * MS)
+                confirms.append((confirmed - sent) * MS)
+        await queue.delete(if_unused=False, if_empty=False)
+        return hops, confirms
+    finally:
+        await sender.close()
+        await receiver.close()
+
+
+# ---- reading the traces ----------------------------------------------------------------------------
+
+
+@dataclass
+class Message:
+    sent: int | None = None
+    confirmed: int | None = None
+    received: int | None = None
+    sender: str = ""
+    receiver: str = ""
+    kind: str = ""
+    run: str = ""
+    stage: str = ""
+
+
+@dataclass
+class Traces:
+    messages: dict[str, Message] = field(default_factory=lambda: defaultdict(Message))
+    # (role, step) -> [(t0, t1, message ids)]
+    spans: dict[tuple[str, str], list[tuple[int, int, list[str]]]] = field(
+        default_factory=lambda: defaultdict(list)
+    )
+
+
+def read_traces(folder: Path) -> Traces:
+    traces = Traces()
+    for path in sorted(folder.glob("*.jsonl")):
+        role = path.stem.rsplit("-", 1)[0]
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            if "s" in record:
+                traces.spans[(role, record["s"])].append((record["t0"], record["t1"], record["ms"]))
+                continue
+            message = traces.messages[record["m"]]
+            what, at = record["e"], record["t"]
+            if what == "sent" and message.sent is None:
+                message.sent, message.sender = at, role
+            elif what == "confirmed" and message.confirmed is None:
+                message.confirmed = at
+            elif what == "received" and message.received is None:
+                message.received, message.receiver = at, role
+            elif what == "decoded":
+                message.kind, message.run, message.stage = record["k"], record["r"], record.get("st") or ""
+    return traces
+
+
+def p50(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def step_durations(traces: Traces, runs: set[str]) -> dict[tuple[str, str], list[float]]:
+    """Every step's durations (ms) over the spans that touched a message of ``runs``, plus each
+    process's inbox wait (delivered until its batch's decode began) and the worker's and client's
+    publish (to the confirm)."""
+    ours = {m for m, msg in traces.messages.items() if msg.run in runs}
+    steps: dict[tuple[str, str], list[float]] = defaultdict(list)
+    for (role, step), spans in traces.spans.items():
+        for t0, t1, ids in spans:
+            if ours.intersection(ids):
+                steps[(role, step)].append((t1 - t0) * MS)
+    for t0, _, ids in traces.spans.get(("orchestrator", "decode"), []) + traces.spans.get(
+        ("worker", "decode"), []
+    ):
+        for message_id in ids:
+            message = traces.messages.get(message_id)
+            if message and message.run in runs and message.received is not None:
+                steps[(message.receiver, "inbox")].append((t0 - message.received) * MS)
+    for message in traces.messages.values():
+        if message.run in runs and message.sender in ("worker", "client") and message.confirmed:
+            assert message.sent is not None
+            steps[(message.sender, "publish")].append((message.confirmed - message.sent) * MS)
+    return steps
+
+
+def run_latency(traces: Traces, run: str) -> tuple[int, int] | None:
+    """(when the client published the run's start, when the last transition of the run ended)."""
+    start = [m.sent for m in traces.messages.values() if m.run == run and m.kind == "start" and m.sent]
+    ids = {i for i, m in traces.messages.items() if m.run == run}
+    ends = [t1 for t0, t1, ms in traces.spans.get(("orchestrator", "lua"), []) if ids.intersection(ms)]
+    if not start or not ends:
+        return None
+    return min(start), max(ends)
+
+
+def timeline(traces: Traces, run: str, origin: int) -> list[str]:
+    """The run's hops and steps in time order, as text lines, from ``origin`` (ns)."""
+    rows: list[tuple[int, str]] = []
+    ids = {i for i, m in traces.messages.items() if m.run == run}
+    for message_id in ids:
+        m = traces.messages[message_id]
+        what = f"{m.kind:<8} {m.stage or '-':<20}"
+        if m.sent and m.received:
+            hop = (m.received - m.sent) * MS
+            rows.append((m.sent, f"{m.sender:>12} -> {m.receiver:<12} {what} hop {hop:6.2f} ms"))
+    for (role, step), spans in traces.spans.items():
+        for t0, t1, ms in spans:
+            if ids.intersection(ms):
+                rows.append((t0, f"{role:>12}    {step:<24} {'':<17} {(t1 - t0) * MS:6.2f} ms"))
+    return [f"+{(t - origin) * MS:8.2f} ms  {text}" for t, text in sorted(rows)]
+
+
+# ---- the run -----------------------------------------------------------------------------------------
+
+
+async def traced_runs(stack: BenchStack, count: int, timeout_s: float) -> list[str]:
+    watcher = Watcher(stack.settings.redis_url, stack.prefix)
+    try:
+        async with Client(stack.settings) as client:
+            warm = await client.start("model-ingest", {"modelId": "warm-0"})
+            await watcher.wait_one(warm, 0.001, timeout_s)
+            runs = []
+            for i in range(count):
+                run_id = await client.start("model-ingest", {"modelId": f"t{i}"})
+                state, _ = await watcher.wait_one(run_id, 0.001, timeout_s)
+                if state != "completed":
+                    raise RuntimeError(f"run {run_id} ended {state}; see {stack.logs}")
+                runs.append(run_id)
+                await asyncio.sleep(0.05)  # the next run starts on an idle system
+            return runs
+    finally:
+        await watcher.close()
+
+
+def report(traces: Traces, runs: list[str], hops: list[float], confirms: list[float]) -> None:
+    bare = p50(hops)
+    spans = {run: run_latency(traces, run) for run in runs}
+    latencies = {run: (end - start) * MS for run, found in spans.items() if found for start, end in [found]}
+    emit("latency p50", p50(list(latencies.values())), "ms", runs=len(latencies))
+    emit("bare hop p50", bare, "ms", pings=len(hops), confirm_p50_ms=round(p50(confirms), 3))
+    wanted = set(runs)
+    for kind in HOP_KINDS:
+        values = [
+            (m.received - m.sent) * MS
+            for m in traces.messages.values()
+            if m.run in wanted and m.kind == kind and m.sent and m.received
+        ]
+        emit("hop p50", p50(values), "ms", hop=kind, n=len(values))
+    steps = step_durations(traces, wanted)
+    for (role, step), values in sorted(steps.items()):
+        emit("step p50", p50(values), "ms", process=role, step=step, n=len(values))
+    handler_per_run = p50(
+        [
+            sum(
+                (t1 - t0) * MS
+                for t0, t1, ms in traces.spans.get(("worker", "handler"), [])
+                if any(traces.messages[i].run == run for i in ms if i in traces.messages)
+            )
+            for run in latencies
+        ]
+    )
+    latency = p50(list(latencies.values()))
+    own = (latency - CRITICAL_HOPS * bare - handler_per_run) / CRITICAL_HOPS
+    emit(
+        "own time per hop",
+        own,
+        "ms",
+        critical_hops=CRITICAL_HOPS,
+        floor_ms=round(CRITICAL_HOPS * bare, 2),
+        handlers_ms=round(handler_per_run, 2),
+        latency_over_floor=round(latency / (CRITICAL_HOPS * bare), 2),
+    )
+    median_run = sorted(latencies, key=latencies.__getitem__)[len(latencies) // 2]
+    found = spans[median_run]
+    assert found is not None
+    print(f"\nthe median run, {median_run} ({latencies[median_run]:.2f} ms):", file=sys.stderr)
+    for line in timeline(traces, median_run, found[0]):
+        print("  " + line, file=sys.stderr)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--runs", type=int, default=20, help="traced model-ingest runs, one after another")
+    p.add_argument("--pings", type=int, default=200, help="bare hops measured")
+    p.add_argument("--shard-count", type=int, default=4, help="shards per class")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds a run may take")
+    p.add_argument("--keep", action="store_true", help="keep the vhost, keys, logs and traces")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    folder = Path(tempfile.mkdtemp(prefix="saga-trace-"))
+    stack = BenchStack(args.shard_count)
+    stack.env["SAGA_TRACE_DIR"] = str(folder)
+    stack.setup()
+    try:
+        stack.start(orchestrators=1, workers=1, concurrency=16)
+        stack.wait_consuming()
+        TRACE.configure(str(folder), "client")
+        runs = asyncio.run(traced_runs(stack, args.runs, args.timeout))
+        TRACE.configure(None, "client")  # flushes the client's trace
+        for name in list(stack.processes):
+            stack.stop(name)  # they flush their traces on the way out
+        hops, confirms = asyncio.run(bare_hop(stack.settings.amqp_url, args.pings))
+    finally:
+        stack.teardown(keep=args.keep)
+    report(read_traces(folder), runs, hops, confirms)
+    print(f"traces in {folder}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
