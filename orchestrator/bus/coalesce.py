@@ -6,12 +6,19 @@ loop turn; profiles showed those writes as the largest single cost of both the o
 worker. This generator hands aiormq's writer the payloads of every ordinary frame already queued, joined,
 and keeps frames that need special handling (a drain or a close) on their own, in order.
 
-Installed once by :func:`install` (idempotent); aiormq's writer loop itself is unchanged.
+Installed once by :func:`install` (idempotent); aiormq's writer loop itself is unchanged. It replaces a
+private aiormq class, so it relies on aiormq's internals as of 6.8-6.9: the writer builds
+``FrameGenerator(write_queue)`` by its module-global name and writes each ``ChannelFrame``'s ``payload``,
+draining for ``should_drain``/``should_close``. :func:`install` checks the shapes it needs and leaves
+aiormq as it is (with a warning) when they changed; ``tests/unit/test_coalesce.py`` fails loudly then.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import importlib.metadata
+import logging
 from typing import Any
 
 import aiormq.connection
@@ -50,5 +57,31 @@ def _special(frame: ChannelFrame) -> bool:
     return bool(frame.should_close or frame.should_drain)
 
 
+def compatible() -> str | None:
+    """None when this aiormq has the shapes the coalescing relies on; else what changed."""
+    fields = (
+        {f.name for f in dataclasses.fields(ChannelFrame)}
+        if dataclasses.is_dataclass(ChannelFrame)
+        else set()
+    )
+    if not {"payload", "should_close", "drain_future"} <= fields or not hasattr(ChannelFrame, "should_drain"):
+        return f"aiormq.abc.ChannelFrame has fields {sorted(fields)}"
+    probe = _ORIGINAL(asyncio.Queue())
+    if not isinstance(getattr(probe, "queue", None), asyncio.Queue) or not hasattr(probe, "close_event"):
+        return "aiormq.connection.FrameGenerator no longer keeps its queue and close_event"
+    return None
+
+
 def install() -> None:
+    if aiormq.connection.FrameGenerator is CoalescingFrameGenerator:
+        return
+    changed = compatible()
+    if changed is not None:
+        logging.getLogger(__name__).warning(
+            "frame coalescing not installed: %s (aiormq %s changed its internals; messages still go out, "
+            "one socket write each)",
+            changed,
+            importlib.metadata.version("aiormq"),
+        )
+        return
     aiormq.connection.FrameGenerator = CoalescingFrameGenerator  # type: ignore[misc]
