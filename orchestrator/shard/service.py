@@ -410,7 +410,11 @@ class ShardService:
 
     async def _ack(self, shard: str, deliveries: list[_Delivery]) -> None:
         if all(d.error is None for d in deliveries):
-            await deliveries[-1].message.ack(multiple=True)
+            last = deliveries[-1].message
+            if last.delivery_tag is not None:
+                # queued, not waited for: it leaves in the same socket write as the publishes that follow
+                # (aio-pika's ack waits for its own write and drain first)
+                await last.channel.basic_ack(delivery_tag=last.delivery_tag, multiple=True, wait=False)
             return
         for delivery in deliveries:
             if delivery.error is None:
