@@ -140,13 +140,18 @@ def snapshot_from_record(record: Mapping[str, str], map_results: Mapping[str, li
     item_attempts: dict[str, int] = {}
     counters: dict[str, int] = {}
     for name, value in record.items():
-        if name.startswith("i:"):
-            item_attempts[name[2:]] = int(value)
-        elif name.startswith("b:"):
-            counters[name[2:]] = int(value)
-        elif name.startswith("s:"):
+        # one look at the tag (most fields are a stage's "s:<stage>:<field>"): this runs on every
+        # transition, over every field of the run
+        if name[1:2] != ":":
+            continue
+        tag = name[0]
+        if tag == "s":
             stage, _, field = name[2:].rpartition(":")
             stage_fields.setdefault(stage, {})[field] = value
+        elif tag == "i":
+            item_attempts[name[2:]] = int(value)
+        elif tag == "b":
+            counters[name[2:]] = int(value)
     stages = {
         name: StageRecord(
             status=StageStatus(fields["status"]),
