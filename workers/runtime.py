@@ -362,7 +362,7 @@ class WorkerRuntime:
         faults.crash(self.crash_points, "worker-after-effect")
         result_id = ids.result_id(envelope.message_id)
         try:
-            await publisher.publish_bytes(result, result_id, self.names.runs_exchange, envelope.shard)
+            await self._publish_result(publisher, result, result_id, envelope.shard)
         except aiormq.exceptions.PublishError:
             # The run's shard has no queue (retired, so the run has ended): no retry can deliver it, and
             # requeueing the task would only run it again. The result is parked with the reason.
@@ -385,6 +385,23 @@ class WorkerRuntime:
             return
         with TRACE.span("ack", [envelope.message_id]):
             await settle.ack()  # the result is confirmed: the task may be acked
+
+    async def _publish_result(self, publisher: Publisher, result: bytes, result_id: str, shard: str) -> None:
+        """Publish a result, trying again a few times over about 8 s when the broker refuses it for a
+        while (a quorum queue electing a new leader nacks): requeueing the task at once would run its
+        handler again and use up the queue's delivery limit within a second or two, dead-lettering a
+        task whose run would then wait. An unroutable result (PublishError) is not retried."""
+        for pause_s in (*_REPORT_RETRY_PAUSES_S, None):
+            try:
+                await publisher.publish_bytes(result, result_id, self.names.runs_exchange, shard)
+                return
+            except aiormq.exceptions.PublishError:
+                raise
+            except Exception:
+                if pause_s is None or self._stopping.is_set():
+                    raise
+                log.warning("result %s refused or not confirmed; trying again in %.1f s", result_id, pause_s)
+                await asyncio.sleep(pause_s)
 
     async def _wait_turn(
         self, envelope: Envelope, serial: bool, message: AbstractIncomingMessage
@@ -569,6 +586,10 @@ class _Settle:
             await self.message.nack(requeue=True)
         if self.acks is not None:
             self.acks.settled(self.message, already_settled=True)
+
+
+#: Pauses between tries of a result the broker refused or did not confirm (then the task is requeued).
+_REPORT_RETRY_PAUSES_S = (0.2, 0.5, 1.0, 2.0, 4.0)
 
 
 def _alive(message: AbstractIncomingMessage) -> bool:
