@@ -165,6 +165,10 @@ class WorkerRuntime:
             self.delivery_limit,
             group_size=self.quorum_group_size,
             renew_with=lambda: untracked_channel(self.connection),
+            # a result the broker refuses for a while (a quorum queue electing a new leader nacks) is
+            # tried again for seconds: giving the task back at once would run its handler again and use
+            # up the queue's delivery limit within a second or two, dead-lettering it
+            patience_s=REPORT_PATIENCE_S,
         )
         consumers = await self._subscribe(channel, serial_channel, publisher, pool)
         self._consuming_on = (channel, serial_channel)
@@ -362,7 +366,7 @@ class WorkerRuntime:
         faults.crash(self.crash_points, "worker-after-effect")
         result_id = ids.result_id(envelope.message_id)
         try:
-            await self._publish_result(publisher, result, result_id, envelope.shard)
+            await publisher.publish_bytes(result, result_id, self.names.runs_exchange, envelope.shard)
         except aiormq.exceptions.PublishError:
             # The run's shard has no queue (retired, so the run has ended): no retry can deliver it, and
             # requeueing the task would only run it again. The result is parked with the reason.
@@ -385,23 +389,6 @@ class WorkerRuntime:
             return
         with TRACE.span("ack", [envelope.message_id]):
             await settle.ack()  # the result is confirmed: the task may be acked
-
-    async def _publish_result(self, publisher: Publisher, result: bytes, result_id: str, shard: str) -> None:
-        """Publish a result, trying again a few times over about 8 s when the broker refuses it for a
-        while (a quorum queue electing a new leader nacks): requeueing the task at once would run its
-        handler again and use up the queue's delivery limit within a second or two, dead-lettering a
-        task whose run would then wait. An unroutable result (PublishError) is not retried."""
-        for pause_s in (*_REPORT_RETRY_PAUSES_S, None):
-            try:
-                await publisher.publish_bytes(result, result_id, self.names.runs_exchange, shard)
-                return
-            except aiormq.exceptions.PublishError:
-                raise
-            except Exception:
-                if pause_s is None or self._stopping.is_set():
-                    raise
-                log.warning("result %s refused or not confirmed; trying again in %.1f s", result_id, pause_s)
-                await asyncio.sleep(pause_s)
 
     async def _wait_turn(
         self, envelope: Envelope, serial: bool, message: AbstractIncomingMessage
@@ -588,8 +575,8 @@ class _Settle:
             self.acks.settled(self.message, already_settled=True)
 
 
-#: Pauses between tries of a result the broker refused or did not confirm (then the task is requeued).
-_REPORT_RETRY_PAUSES_S = (0.2, 0.5, 1.0, 2.0, 4.0)
+#: How long a worker keeps trying a report the broker refuses or does not confirm before the task goes back.
+REPORT_PATIENCE_S = 8.0
 
 
 def _alive(message: AbstractIncomingMessage) -> bool:

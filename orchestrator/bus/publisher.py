@@ -18,7 +18,7 @@ import aio_pika
 import aiormq
 from aio_pika.abc import AbstractChannel
 from pamqp import commands as spec
-from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential
+from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, stop_after_delay, wait_exponential
 
 from orchestrator import metrics
 from orchestrator.bus.envelope import Envelope, Signer, encode, signed_message
@@ -106,13 +106,17 @@ class Publisher:
         declare_on: Callable[[], Awaitable[AbstractChannel]] | None = None,
         group_size: int | None = None,
         renew_with: Callable[[], Awaitable[AbstractChannel]] | None = None,
+        patience_s: float = 0.0,
     ) -> None:
         """``declare_on`` opens a channel for declaring contract queues: the broker closes a channel whose
         declaration it refuses, which must not be the one a shard consumes and publishes on.
         ``renew_with`` opens a confirm-mode channel to publish on after a negative confirm (see
         :meth:`_renew`), and again when that channel has closed; without it, publishing stays on
-        ``channel``."""
+        ``channel``. ``patience_s``: how long :meth:`publish_bytes` keeps retrying transient trouble
+        (0: a few quick tries), for a publisher with nothing better to do with a refused message, such as
+        a worker's result: a quorum queue electing a new leader nacks for seconds."""
         self.channel = channel
+        self.patience_s = patience_s
         self.signer = signer
         self.names = names
         self.delivery_limit = delivery_limit
@@ -242,8 +246,10 @@ class Publisher:
                 raise
         async for attempt in AsyncRetrying(
             retry=retry_if_exception(_transient),
-            stop=stop_after_attempt(PUBLISH_ATTEMPTS - 1),
-            wait=wait_exponential(multiplier=0.05, max=1.0),
+            stop=stop_after_delay(self.patience_s)
+            if self.patience_s
+            else stop_after_attempt(PUBLISH_ATTEMPTS - 1),
+            wait=wait_exponential(multiplier=0.05, max=2.0 if self.patience_s else 1.0),
             reraise=True,
         ):
             with attempt:

@@ -12,6 +12,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
+from orchestrator import health
 from orchestrator.allowlists import load_allowlist
 from orchestrator.auth.tokens import TokenStore
 from orchestrator.client import Client
@@ -103,6 +104,6 @@ async def _readiness(request: Request) -> list[str]:
     except Exception as exc:  # any failure means not ready; the message says which
         problems.append(f"Redis: {exc}")
     connection = getattr(state.client, "_connection", None)
-    if connection is None or connection.is_closed:
+    if connection is None or not health.broker_connected(connection):  # reconnecting counts as not
         problems.append("RabbitMQ: not connected")
     return problems
