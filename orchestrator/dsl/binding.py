@@ -26,6 +26,7 @@ from orchestrator.dsl.expressions import (
     references,
     tokenize,
 )
+from orchestrator.dsl.fastcheck import certainly_fits
 from orchestrator.errors import (
     BindingEvaluationError,
     BindingMissing,
@@ -149,6 +150,8 @@ def _walk(src: str, root: str, path: tuple[str | int, ...], variables: dict[str,
 
 
 def _check(value: Any, schema: Schema, target: str, template: Any) -> None:
+    if certainly_fits(schema, value):
+        return
     validator = validator_for(schema)
     for error in sorted(validator.iter_errors(value), key=lambda e: list(e.absolute_path)):
         where = target + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error.absolute_path)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from orchestrator.dsl.binding import bind, validator_for
+from orchestrator.dsl.fastcheck import certainly_fits
 from orchestrator.engine import clocks, ids, sizes
 from orchestrator.engine.model import (
     RUN,
@@ -277,6 +278,8 @@ def rejected(
 def context_problems(plan: Mapping[str, Any], context: Mapping[str, Any]) -> list[str]:
     schema = plan.get("context")
     if schema is None:
+        return []
+    if certainly_fits(schema, dict(context)):
         return []
     validator = validator_for(schema)
     return [

@@ -23,6 +23,7 @@ import jsonschema
 from jsonschema.exceptions import UnknownType
 from referencing.exceptions import Unresolvable
 
+from orchestrator.dsl.fastcheck import certainly_fits
 from orchestrator.engine import sizes
 
 __all__ = ["output_problem", "output_validator"]
@@ -74,6 +75,8 @@ def output_problem(plan: Mapping[str, Any], ref: str, result: Any) -> str | None
     validator = output_validator(schema)
     if isinstance(validator, str):
         return f"the output schema of {ref} cannot check results: {validator}"
+    if certainly_fits(schema, result):
+        return None
     try:
         errors = sorted(validator.iter_errors(result), key=_path_order)
     except (UnknownType, Unresolvable) as exc:  # a schema that passed the meta-schema, but cannot run
