@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from orchestrator import jsontext
 from orchestrator.engine.model import (
     Decision,
     HistoryEntry,
@@ -50,7 +51,7 @@ def barrier_stages(plan: Mapping[str, Any]) -> list[str]:
 
 
 def outbox_payload(message: Outgoing, run_id: str, at_ms: int) -> str:
-    return json.dumps(
+    return jsontext.dumps(
         {
             "id": message.message_id,
             "kind": message.kind,
@@ -59,14 +60,13 @@ def outbox_payload(message: Outgoing, run_id: str, at_ms: int) -> str:
             "run_id": run_id,
             "at": at_ms,
         },
-        separators=(",", ":"),
         sort_keys=True,
     )
 
 
 def history_row(entry: HistoryEntry) -> list[str]:
     attempt = "" if entry.attempt is None else str(entry.attempt)
-    return [entry.kind, entry.stage or "", attempt, json.dumps(dict(entry.detail), sort_keys=True)]
+    return [entry.kind, entry.stage or "", attempt, jsontext.dumps(dict(entry.detail), sort_keys=True)]
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,7 @@ class Spec:
     body: dict[str, Any]
 
     def encode(self) -> str:
-        return json.dumps(self.body, separators=(",", ":"))
+        return jsontext.dumps(self.body)
 
 
 def build_spec(
