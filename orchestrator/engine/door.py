@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Mapping
+from functools import lru_cache
 from typing import Any
 
 from orchestrator.dsl.binding import bind, evaluate
@@ -91,7 +92,7 @@ def _taken(step: Step, name: str, stage: Mapping[str, Any]) -> list[str]:
     """The branch a decision takes on the context alone ([] if it reads a stage, or fails). Whether it
     reads a stage is read off its expressions, not off an error: ``has(stages.x)`` is false, not an
     error, before any stage ran."""
-    if any(references(tokenize(b["when"]), STAGE_ROOT) for b in stage["branches"]):
+    if any(_reads_stages(b["when"]) for b in stage["branches"]):
         return []
     variables = step.variables()
     for i, branch in enumerate(stage["branches"]):
@@ -104,6 +105,12 @@ def _taken(step: Step, name: str, stage: Mapping[str, Any]) -> list[str]:
         if taken is not False:
             return []
     return []
+
+
+@lru_cache(maxsize=4096)
+def _reads_stages(src: str) -> bool:
+    """Whether an expression reads a stage's result (every start asks this of the same few expressions)."""
+    return bool(references(tokenize(src), STAGE_ROOT))
 
 
 def _stage_problem(step: Step, name: str, stage: Mapping[str, Any]) -> str | None:
