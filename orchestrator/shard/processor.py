@@ -92,8 +92,9 @@ class Processor:
             outcomes[i] = await self._handle(shard, envelopes[i])
         # (index, event, plan, digest or None: a continue takes its run's pinned digest)
         work: list[tuple[int, Event, dict[str, Any] | None, str | None]] = []
+        unread: set[str] = set()  # runs claimed just now: nothing to read
         with TRACE.span("claim", [envelopes[i].message_id for i in starts]):
-            work += await self._claimed_starts(shard, starts, envelopes, outcomes)
+            work += await self._claimed_starts(shard, starts, envelopes, outcomes, unread)
         for i in continues:
             event = to_event(envelopes[i])
             if isinstance(event, str):
@@ -102,11 +103,15 @@ class Processor:
                 work.append((i, event, None, None))
         if not work:
             return
-        runs = list(dict.fromkeys(envelopes[i].run_id for i, *_ in work))  # map items of one run share a read
+        # map items of one run share a read
+        runs = [run for run in dict.fromkeys(envelopes[i].run_id for i, *_ in work) if run not in unread]
         traced = [envelopes[i].message_id for i, *_ in work]
-        with TRACE.span("snapshot", traced):
-            snapshots = await self.store.snapshots(shard, [(run, None) for run in runs])
-        read = dict(zip(runs, snapshots, strict=True))
+        read: dict[str, RunSnapshot | None] = dict.fromkeys(unread)
+        if runs:
+            with TRACE.span("snapshot", traced):
+                read.update(
+                    zip(runs, await self.store.snapshots(shard, [(r, None) for r in runs]), strict=True)
+                )
         ready: list[tuple[int, Event, dict[str, Any], Decision]] = []
         now = self.clock_ms()
         with TRACE.span("engine", traced):
@@ -139,10 +144,17 @@ class Processor:
         return careful
 
     async def _claimed_starts(
-        self, shard: str, starts: list[int], envelopes: list[Envelope], outcomes: list[Outcome | None]
+        self,
+        shard: str,
+        starts: list[int],
+        envelopes: list[Envelope],
+        outcomes: list[Outcome | None],
+        unread: set[str],
     ) -> list[tuple[int, Event, dict[str, Any] | None, str | None]]:
         """Starts that name their plan, claimed for this shard in one pipeline; others take the careful
-        path (which resolves the active version, or refuses with the reason)."""
+        path (which resolves the active version, or refuses with the reason). Runs this call claimed
+        first are added to ``unread``: they have no record to read (creating one that exists after all
+        is refused by the store as a duplicate)."""
         named: list[tuple[int, str, dict[str, Any]]] = []
         for i in starts:
             body = start_body(envelopes[i])
@@ -162,13 +174,15 @@ class Processor:
                 candidates.append((i, await self.store.plan(digest), digest, context))
             except PlanNotFound as exc:
                 outcomes[i] = Outcome(rejected=("unknown-definition", str(exc)))
-        owners = await self.store.claim_many([envelopes[i].run_id for i, *_ in candidates], shard)
+        owners = await self.store.claim_fresh([envelopes[i].run_id for i, *_ in candidates], shard)
         claimed: list[tuple[int, Event, dict[str, Any] | None, str | None]] = []
-        for (i, plan, digest, context), owner in zip(candidates, owners, strict=True):
+        for (i, plan, digest, context), (owner, fresh) in zip(candidates, owners, strict=True):
             envelope = envelopes[i]
             if owner != shard:
                 outcomes[i] = Outcome(forward_to=owner)
                 continue
+            if fresh:
+                unread.add(envelope.run_id)
             versions = await self.store.plan_versions(digest)
             event = StartRun(envelope.message_id, envelope.run_id, shard, context, envelope.tenant, versions)
             claimed.append((i, event, plan, digest))

@@ -319,6 +319,12 @@ class RedisStore:
 
     async def claim_many(self, run_ids: list[str], shard: str) -> list[str]:
         """:meth:`claim` for many runs in two round trips at most."""
+        return [owner for owner, _ in await self.claim_fresh(run_ids, shard)]
+
+    async def claim_fresh(self, run_ids: list[str], shard: str) -> list[tuple[str, bool]]:
+        """:meth:`claim_many`, saying for each run whether this very call claimed it (``True``: nobody
+        had, so no record of the run can exist but one whose claim expired before it, which creating
+        the run finds all the same)."""
         if not run_ids:
             return []
         keys = [index_key(self.prefix, run_id) for run_id in run_ids]
@@ -333,7 +339,10 @@ class RedisStore:
                 for key in lost:
                     pipe.get(key)
                 owners = dict(zip(lost, await pipe.execute(), strict=True))
-        return [shard if ok else _str(owners.get(key) or shard) for key, ok in zip(keys, won, strict=True)]
+        return [
+            (shard, True) if ok else (_str(owners.get(key) or shard), False)
+            for key, ok in zip(keys, won, strict=True)
+        ]
 
     async def owner(self, run_id: str) -> str | None:
         owner = await self.client.get(index_key(self.prefix, run_id))
