@@ -288,3 +288,27 @@ def test_the_fast_signed_form_verifies_like_a_model_signed_one() -> None:
     with pytest.raises(EnvelopeRejected) as info:
         decode(tampered, signer, 1_000_000)
     assert info.value.reason == "bad-signature"
+
+
+# ---- verified over the bytes that were signed -----------------------------------------------------------
+
+
+def test_encode_writes_the_bytes_signed_message_writes(signer: Signer) -> None:
+    signed = signer.sign(envelope())
+    fields = envelope().model_dump(exclude={"key_id", "signature"})
+    assert encode(signed) == signed_message(signer, **fields)
+
+
+def test_a_changed_field_is_refused_though_the_signature_tail_is_intact(signer: Signer) -> None:
+    raw = encode(signer.sign(envelope()))
+    tampered = raw.replace(b'"run-1"', b'"run-2"')
+    assert tampered != raw and tampered.endswith(raw[-70:])
+    assert rejection(lambda: decode(tampered, signer, MAX)).reason == "bad-signature"
+
+
+def test_other_layouts_are_verified_over_the_canonical_text(signer: Signer) -> None:
+    signed = signer.sign(envelope())
+    pretty = json.dumps(
+        json.loads(signed.model_dump_json()), indent=2
+    ).encode()  # another layout, same fields
+    assert decode(pretty, signer, MAX) == signed
