@@ -18,9 +18,11 @@ from orchestrator import metrics
 from orchestrator.bus.envelope import Envelope, Kind
 from orchestrator.engine import advance, clocks
 from orchestrator.engine.model import (
+    RUN,
     BarrierReleased,
     Decision,
     Event,
+    Expect,
     Nudge,
     Outgoing,
     RunSnapshot,
@@ -32,7 +34,17 @@ from orchestrator.engine.sizes import DEFAULT_LIMITS, Limits
 from orchestrator.governance.lifecycle import NotStartable, State, choose
 from orchestrator.governance.store import DefinitionStore, DigestInfo
 from orchestrator.shard.events import start_body, to_event
-from orchestrator.store.redis_store import APPLIED, CONFLICT, NO_RUN, PlanNotFound, RedisStore
+from orchestrator.shard.records import RunRecords
+from orchestrator.store.redis_store import (
+    APPLIED,
+    CONFLICT,
+    DUPLICATE,
+    NO_RUN,
+    ApplyResult,
+    PlanNotFound,
+    RedisStore,
+)
+from orchestrator.store.spec import record_after, snapshot_from_record, writes_run
 from orchestrator.trace import TRACE
 
 # Kinds that continue an existing run on its shard (everything but a start).
@@ -61,6 +73,7 @@ class Processor:
         self.clock_ms = clock_ms
         self.limits = limits
         self.definitions = DefinitionStore(store.client, store.prefix)
+        self.records = RunRecords()
 
     async def handle_batch(self, shard: str, envelopes: list[Envelope]) -> list[Outcome]:
         """Handle a batch with few round trips: runs advance in rounds (a run's own messages stay in
@@ -103,15 +116,9 @@ class Processor:
                 work.append((i, event, None, None))
         if not work:
             return
-        # map items of one run share a read
-        runs = [run for run in dict.fromkeys(envelopes[i].run_id for i, *_ in work) if run not in unread]
         traced = [envelopes[i].message_id for i, *_ in work]
-        read: dict[str, RunSnapshot | None] = dict.fromkeys(unread)
-        if runs:
-            with TRACE.span("snapshot", traced):
-                read.update(
-                    zip(runs, await self.store.snapshots(shard, [(r, None) for r in runs]), strict=True)
-                )
+        with TRACE.span("snapshot", traced):
+            read = await self._read(shard, [envelopes[i].run_id for i, *_ in work], unread)
         ready: list[tuple[int, Event, dict[str, Any], Decision]] = []
         now = self.clock_ms()
         with TRACE.span("engine", traced):
@@ -119,14 +126,33 @@ class Processor:
         for i in careful:
             outcomes[i] = await self._handle(shard, envelopes[i])  # the careful path handles it
         with TRACE.span("lua", traced):
-            await self._apply_ready(shard, ready, envelopes, outcomes, now)
+            await self._apply_ready(shard, ready, envelopes, outcomes, now, read)
+
+    async def _read(self, shard: str, run_ids: list[str], unread: set[str]) -> dict[str, _Read]:
+        """The record of every run of the round (map items of one run share it): kept from the run's last
+        transition here, or read in one round trip; none for a run claimed just now."""
+        read: dict[str, _Read] = {run: _Read(None, None, kept=False) for run in unread}
+        missing = []
+        for run in dict.fromkeys(run_ids):
+            if run in read:
+                continue
+            record = self.records.get(shard, run)
+            if record is None:
+                missing.append(run)
+            else:
+                read[run] = _Read(record, snapshot_from_record(record, {}), kept=True)
+        if missing:
+            for run, record in zip(missing, await self.store.records(shard, missing), strict=True):
+                snapshot = snapshot_from_record(record, {}) if record is not None else None
+                read[run] = _Read(record, snapshot, kept=False)
+        return read
 
     async def _decide_round(
         self,
         shard: str,
         work: list[tuple[int, Event, dict[str, Any] | None, str | None]],
         envelopes: list[Envelope],
-        read: dict[str, RunSnapshot | None],
+        read: dict[str, _Read],
         now: int,
         ready: list[tuple[int, Event, dict[str, Any], Decision]],
     ) -> list[int]:
@@ -134,13 +160,27 @@ class Processor:
         appended to ``ready``; returns the messages the careful path must handle instead."""
         careful = []
         for i, event, start_plan, start_digest in work:
-            snapshot = read[envelopes[i].run_id]
+            run = read[envelopes[i].run_id]
+            snapshot = run.snapshot
             digest = start_digest or (snapshot.digest if snapshot else None)
             plan = start_plan or (await self.store.plan(digest) if digest else None)
             if plan is None or digest is None or (start_plan is None and _needs_map_results(event, plan)):
                 careful.append(i)
                 continue
-            ready.append((i, event, plan, advance(plan, digest, snapshot, event, now, self.limits)))
+            decision = advance(plan, digest, snapshot, event, now, self.limits)
+            if run.kept:
+                if decision.verdict is not Verdict.APPLIED:
+                    # a refusal is recorded for good: made again from what Redis holds now
+                    self.records.forget(shard, envelopes[i].run_id)
+                    careful.append(i)
+                    continue
+                if decision.arrival is None:
+                    expects = (
+                        *decision.expects,
+                        Expect(RUN, "rev", run.record.get("rev") if run.record else None),
+                    )
+                    decision = dataclasses.replace(decision, expects=expects)
+            ready.append((i, event, plan, decision))
         return careful
 
     async def _claimed_starts(
@@ -195,6 +235,7 @@ class Processor:
         envelopes: list[Envelope],
         outcomes: list[Outcome | None],
         now: int,
+        read: dict[str, _Read],
     ) -> None:
         if not ready:
             return
@@ -204,6 +245,7 @@ class Processor:
             now,
         )
         for (i, _, plan, decision), result in zip(ready, results, strict=True):
+            self._bring_forward(shard, envelopes[i].run_id, read, decision, result)
             if result.code == APPLIED:
                 metrics.applied(envelopes[i].run_id, plan, decision, now)
             if result.code == CONFLICT:
@@ -214,6 +256,31 @@ class Processor:
                 outcomes[i] = Outcome(
                     publish=_to_publish(decision, result.code, result.detail), verdict=decision.verdict
                 )
+
+    def _bring_forward(
+        self, shard: str, run_id: str, read: dict[str, _Read], decision: Decision, result: ApplyResult
+    ) -> None:
+        """Keep the run's record as this transition left it, when its reply shows that nothing else
+        wrote the run since the record was read; else forget it. Replies come in the order the
+        transitions were applied, so a round's arrivals bring one record forward one by one."""
+        if result.code != APPLIED:
+            if result.code != DUPLICATE:  # a conflict, a run gone: what is kept is stale
+                read.pop(run_id, None)
+                self.records.forget(shard, run_id)
+            return
+        before = read.get(run_id)
+        base = before.record if before is not None else None
+        if result.rev is None or decision.finished or (base is None and not decision.create):
+            read.pop(run_id, None)
+            self.records.forget(shard, run_id)
+            return
+        if result.rev != int((base or {}).get("rev", "0")) + writes_run(decision):
+            read.pop(run_id, None)
+            self.records.forget(shard, run_id)
+            return
+        after = record_after(base or {}, decision, result.rev)
+        read[run_id] = _Read(after, None, kept=True)
+        self.records.keep(shard, run_id, after)
 
     async def handle(self, shard: str, envelope: Envelope) -> Outcome:
         """One message on its own (the path a batch that failed takes, message by message)."""
@@ -372,6 +439,7 @@ class Processor:
         first: RunSnapshot | None = None,
         members_of: tuple[str, ...] = (),
     ) -> Outcome:
+        self.records.forget(shard, run_id)  # this path reads afresh and writes: what is kept is stale
         for attempt in range(MAX_CONFLICT_RETRIES):
             snapshot = (
                 first
@@ -395,6 +463,15 @@ class Processor:
                 publish=_to_publish(decision, result.code, result.detail), verdict=decision.verdict
             )
         raise RuntimeError(f"run {run_id}: {MAX_CONFLICT_RETRIES} conflicting writes in a row; giving up")
+
+
+@dataclass(frozen=True)
+class _Read:
+    """A run's record as a round decides from it, and whether it was kept from an earlier transition."""
+
+    record: dict[str, str] | None
+    snapshot: RunSnapshot | None
+    kept: bool
 
 
 def count(kind: str, outcome: Outcome) -> Outcome:

@@ -125,6 +125,8 @@ class MemoryStore:
             self.timers[member] = due
         for message_id, payload in body["outbox"]:
             self.outbox[message_id] = payload
+        if body.get("dels") or body["sets"] or body["inits"] or body.get("arrival"):
+            run.record["rev"] = str(int(run.record.get("rev", "0")) + 1)
 
     def _arrive(self, run: MemoryRun, body: dict[str, Any], names: dict[int, str]) -> tuple[int, str]:
         a = body["arrival"]
@@ -204,6 +206,7 @@ class MemoryStore:
         run.record.setdefault("intent", "failed")
         before = run.record.get("status")
         run.record.update(status="failed", reason=body["reason"], finished_at=str(now_ms))
+        run.record["rev"] = str(int(run.record.get("rev", "0")) + 1)
         self._count_live(run, before)
         failed = {"reason": body["reason"]}
         run.history.append({"kind": "run.failed", "stage": "", "attempt": "", "at": now_ms, "detail": failed})

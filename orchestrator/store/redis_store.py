@@ -82,6 +82,7 @@ def library_source() -> str:
 class ApplyResult:
     code: int
     detail: str
+    rev: int | None = None  # the run's revision after an applied transition (None: nothing written)
 
     @property
     def applied(self) -> bool:
@@ -148,6 +149,15 @@ class RedisStore:
             replies = await pipe.execute()
         return {b: frozenset(_str(m) for m in members) for b, members in zip(barriers, replies, strict=True)}
 
+    async def records(self, shard: str, run_ids: list[str]) -> list[dict[str, str] | None]:
+        """The run hashes of ``run_ids`` as they are (None: no such run), in one round trip."""
+        keys = self.keys(shard)
+        async with self.client.pipeline(transaction=False) as pipe:
+            for run_id in run_ids:
+                pipe.hgetall(keys.run(run_id))
+            replies = await pipe.execute()
+        return [_text(record) if record else None for record in replies]
+
     async def snapshots(self, shard: str, wanted: list[tuple[str, str | None]]) -> list[RunSnapshot | None]:
         """Many snapshots in one round trip: ``wanted`` is (run id, map stage to load results of)."""
         keys = self.keys(shard)
@@ -189,7 +199,7 @@ class RedisStore:
                 if not isinstance(reply, ResponseError) or "function not found" not in str(reply).lower():
                     raise reply
                 answer = await self._fcall(spec, keys)  # reloads the library and retries this one
-            results.append(ApplyResult(int(answer[0]), _str(answer[1])))
+            results.append(_result(answer))
         return results
 
     async def apply(
@@ -201,8 +211,7 @@ class RedisStore:
         plan: Mapping[str, Any],
         now_ms: int,
     ) -> ApplyResult:
-        code, detail = await self._fcall(*self._call(shard, run_id, message_id, decision, plan, now_ms))
-        return ApplyResult(int(code), _str(detail))
+        return _result(await self._fcall(*self._call(shard, run_id, message_id, decision, plan, now_ms)))
 
     def _call(
         self,
@@ -390,6 +399,12 @@ class RedisStore:
             pipe.hset(key, mapping=fields)
             pipe.pexpire(key, self.retention_ms)
             await pipe.execute()
+
+
+def _result(answer: list[Any]) -> ApplyResult:
+    """A transition function's reply: {code, detail} and, when it wrote the run, its new revision."""
+    rev = int(answer[2]) if len(answer) > 2 else None
+    return ApplyResult(int(answer[0]), _str(answer[1]), rev)
 
 
 def _str(value: Any) -> str:

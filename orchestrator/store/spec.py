@@ -128,6 +128,36 @@ def build_spec(
     return Spec("saga_create" if decision.create else "saga_transition", body)
 
 
+def writes_run(decision: Decision) -> bool:
+    """Whether applying ``decision`` writes the run hash (and so counts its revision up): as the
+    transition functions decide it from the spec (``build_spec``)."""
+    return bool(
+        decision.removes
+        or any(write.fields for write in decision.writes)
+        or decision.barriers
+        or decision.arrival is not None
+    )
+
+
+def record_after(record: Mapping[str, str], decision: Decision, rev: int) -> dict[str, str]:
+    """The run hash after ``decision`` was applied to ``record`` with nothing else in between, as far as
+    :func:`snapshot_from_record` reads it: what the transition functions write to the run hash, in
+    their order (deletions, fields, barrier counters, an arrival's count), and its revision after."""
+    after = dict(record)
+    for key, name in decision.removes:
+        after.pop(field_name(key, name), None)
+    for write in decision.writes:
+        for name, value in write.fields.items():
+            after[field_name(write.key, name)] = str(value)
+    for barrier in decision.barriers:
+        after[counter_field(barrier.key.name)] = str(barrier.count)
+    if decision.arrival is not None:
+        counter = counter_field(decision.arrival.key.name)
+        after[counter] = str(int(after.get(counter, "0")) - 1)
+    after["rev"] = str(rev)
+    return after
+
+
 def poison_spec(message_id: str, error: str, now_ms: int) -> Spec:
     """The spec of ``saga_poison``: fail the run a poison message names, with the reason."""
     reason = f"poison message {message_id}: its transition failed on every delivery ({error})"

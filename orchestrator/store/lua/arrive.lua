@@ -9,7 +9,7 @@
 -- writes): the arrival is one more effect, not a shortcut. Only the applied-id set is not consulted.
 -- The message id is not added to the applied set (spec.remember is false): membership is the dedupe,
 -- and a bag of 10,000 items must not keep 10,000 ids.
--- Returns {0 APPLIED, remaining} | {1 DUPLICATE} | {2 CONFLICT, field} | {4 NO_RUN} | {5 TIMER_GONE}.
+-- Returns {0 APPLIED, remaining, revision} | {1 DUPLICATE} | {2 CONFLICT, field} | {4 NO_RUN} | {5 TIMER_GONE}.
 local function saga_arrive(keys, args)
   local spec = cjson.decode(args[1])
   local a = spec.arrival
@@ -30,7 +30,7 @@ local function saga_arrive(keys, args)
   if redis.call('HEXISTS', keys[a.k], a.member) == 1 then
     return record_duplicate(keys, spec, a.stage)
   end
-  apply_all(keys, spec)
+  local rev = apply_all(keys, spec)
   redis.call('HSET', keys[a.k], a.member, a.value)
   local remaining = redis.call('HINCRBY', keys[1], a.counter, -1)
   if remaining == 0 then
@@ -38,6 +38,6 @@ local function saga_arrive(keys, args)
   end
   append_history(keys[2], spec.history, spec.at)
   finish(keys, spec)
-  return {APPLIED, tostring(remaining)}
+  return {APPLIED, tostring(remaining), rev}
 end
 redis.register_function('saga_arrive', saga_arrive)

@@ -1,6 +1,6 @@
 -- saga_create: create a run and apply its first transition.
 -- KEYS: the common layout (helpers.lua). ARGV[1]: the spec.
--- Returns {0 APPLIED} | {3 EXISTS} (the run already exists: a re-sent start is a duplicate).
+-- Returns {0 APPLIED, mid, revision} | {3 EXISTS} (the run already exists: a re-sent start is a duplicate).
 local function saga_create(keys, args)
   local spec = cjson.decode(args[1])
   if redis.call('EXISTS', keys[1]) == 1 then

@@ -157,7 +157,10 @@ local function finish(keys, spec)
   end
 end
 
--- Every write of an accepted transition but its history, after all its checks passed.
+-- Every write of an accepted transition but its history, after all its checks passed. Returns the run's
+-- revision after it: every transition that writes the run hash counts one (one that only records a
+-- refusal writes none), so a process that keeps a run's record between transitions
+-- (orchestrator/shard/records.py) can expect the revision it holds and learn of any write it did not make.
 local function apply_all(keys, spec)
   if spec.persist then
     -- a re-driven run lives again: its keys lose the retention clock its end had started
@@ -172,13 +175,17 @@ local function apply_all(keys, spec)
   if spec.remember then redis.call('SADD', keys[3], spec.mid) end
   apply_timers(keys, spec)
   append_outbox(keys[4], spec.outbox)
+  if #spec.dels > 0 or #spec.sets > 0 or #spec.inits > 0 or not is_null(spec.arrival) then
+    return redis.call('HINCRBY', keys[1], 'rev', 1)
+  end
+  return tonumber(redis.call('HGET', keys[1], 'rev') or '0')
 end
 
 local function commit(keys, spec)
-  apply_all(keys, spec)
+  local rev = apply_all(keys, spec)
   append_history(keys[2], spec.history, spec.at)
   finish(keys, spec)
-  return {APPLIED, spec.mid}
+  return {APPLIED, spec.mid, rev}
 end
 
 local function record_duplicate(keys, spec, stage)

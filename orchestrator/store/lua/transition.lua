@@ -3,7 +3,7 @@
 -- Checks, in order and before any write: the run exists, the message was not applied before, every
 -- expected field still holds. Then writes fields, initialises barriers, appends outbox and history.
 -- A fired timer (spec.claim) must still be in the timer set and due, else nothing happens.
--- Returns {0 APPLIED} | {1 DUPLICATE} | {2 CONFLICT, field} | {4 NO_RUN} | {5 TIMER_GONE}.
+-- Returns {0 APPLIED, mid, revision} | {1 DUPLICATE} | {2 CONFLICT, field} | {4 NO_RUN} | {5 TIMER_GONE}.
 -- Also used for intent, finaliser progress and recording rejected (late, stale) callbacks.
 local function saga_transition(keys, args)
   local spec = cjson.decode(args[1])

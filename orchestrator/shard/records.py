@@ -1,0 +1,47 @@
+"""The run records a shard process advanced last, kept between transitions so that the next message of a
+run needs no read before its write: one Redis round trip per transition instead of two.
+
+A kept record is never trusted: it holds the run's revision (``rev``, counted up by every write of the
+run hash, in Lua), and a transition decided from it expects that revision, so any write this process did
+not make (a standby firing a timer, a paused old consumer, a poison mark, a failover that lost writes)
+turns it into a CONFLICT, and the message is decided again from a fresh read. Arrivals at a barrier
+expect no revision, as they never did (they commute with each other and check their own fences); a
+decision from a kept record that refuses its message is made again from a fresh read before it is
+recorded. After an applied transition the record is brought forward from the decision's own writes
+when the reply's revision shows that nothing came in between; otherwise it is forgotten.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+DEFAULT_CAPACITY = 4096  # records per process (a model-ingest record is a few kB)
+
+
+class RunRecords:
+    def __init__(self, capacity: int = DEFAULT_CAPACITY) -> None:
+        self.capacity = capacity
+        self._kept: OrderedDict[tuple[str, str], dict[str, str]] = OrderedDict()
+
+    def get(self, shard: str, run_id: str) -> dict[str, str] | None:
+        record = self._kept.get((shard, run_id))
+        if record is not None:
+            self._kept.move_to_end((shard, run_id))
+        return record
+
+    def keep(self, shard: str, run_id: str, record: dict[str, str]) -> None:
+        self._kept[(shard, run_id)] = record
+        self._kept.move_to_end((shard, run_id))
+        while len(self._kept) > self.capacity:
+            self._kept.popitem(last=False)
+
+    def forget(self, shard: str, run_id: str) -> None:
+        self._kept.pop((shard, run_id), None)
+
+    def forget_shard(self, shard: str) -> None:
+        """A shard this process stops serving (or serves again after trouble): nothing of it is kept."""
+        for key in [k for k in self._kept if k[0] == shard]:
+            del self._kept[key]
+
+    def __len__(self) -> int:
+        return len(self._kept)

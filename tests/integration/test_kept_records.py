@@ -1,0 +1,225 @@
+"""A shard keeps the records of the runs it advanced, so the next message of a run needs no read before
+its write. Real Redis: the kept record must equal the run hash after every transition, every round trip
+it saves must be one the old path made, and a write this process did not make must never be decided
+over (the revision check turns it into a conflict, and the message is decided again from Redis)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+import redis
+import redis.asyncio as aioredis
+
+from orchestrator.bus.envelope import Envelope, Kind, decode, signed_message
+from orchestrator.bus.publisher import envelope_for, outgoing_from_payload
+from orchestrator.client import start_envelope
+from orchestrator.compiler import CompiledPlan
+from orchestrator.engine import ids
+from orchestrator.engine.model import Outgoing
+from orchestrator.shard.processor import Processor
+from orchestrator.store.redis_store import CONFLICT, ApplyResult, RedisStore
+from tests.conftest import compile_yaml
+from tests.faults import invariants
+from tests.integration.stack import publish_active
+from tests.integration.test_nudge_race import REDIS_URL, SHARD, SIGNER, SPLIT, report
+from tests.unit.test_engine import compiled
+
+pytestmark = pytest.mark.services
+
+
+class CountingStore(RedisStore):
+    """The store, counting run reads (batched and one by one) and the conflicts its transitions meet."""
+
+    conflicts: list[str]
+    read_runs: list[str]
+
+    @property
+    def reads(self) -> int:
+        return len(self.read_runs)
+
+    async def records(self, shard: str, run_ids: list[str]) -> list[dict[str, str] | None]:
+        self.read_runs += run_ids
+        return await super().records(shard, run_ids)
+
+    async def snapshot(self, shard: str, run_id: str, *args: Any, **kwargs: Any) -> Any:
+        self.read_runs.append(run_id)
+        return await super().snapshot(shard, run_id, *args, **kwargs)
+
+    async def apply_many(self, *args: Any, **kwargs: Any) -> list[ApplyResult]:
+        results = await super().apply_many(*args, **kwargs)
+        self.conflicts += [r.detail for r in results if r.code == CONFLICT]
+        return results
+
+
+async def with_store(test: Callable[[CountingStore, aioredis.Redis], Awaitable[None]]) -> None:
+    client = aioredis.Redis.from_url(REDIS_URL, decode_responses=True)
+    store = CountingStore(client, prefix=f"t{uuid.uuid4().hex}")
+    store.conflicts, store.read_runs = [], []
+    try:
+        await store.load_library()
+        await test(store, client)
+    finally:
+        keys = [k async for k in client.scan_iter(match=f"{store.prefix}:*")]
+        if keys:
+            await client.delete(*keys)
+        await client.aclose()
+
+
+async def assert_kept_records_are_redis(
+    processor: Processor, store: RedisStore, client: aioredis.Redis
+) -> int:
+    """Every kept record equals its run hash (but the live-count flag, which no decision reads)."""
+    kept = list(processor.records._kept.items())
+    for (shard, run_id), record in kept:
+        stored = await client.hgetall(store.keys(shard).run(run_id))  # type: ignore[misc]
+        stored.pop("counted", None)
+        kept_fields = {name: value for name, value in record.items() if name != "counted"}
+        assert kept_fields == stored, f"kept record of {run_id} differs from Redis"
+    return len(kept)
+
+
+async def deliver_all(processor: Processor, store: RedisStore, client: aioredis.Redis) -> int:
+    """Answer everything in the outbox, every task of a round in one batch (as a busy shard sees them),
+    checking the kept records after each batch. Returns the number of messages handled."""
+    handled = 0
+    for _ in range(40):
+        entries = [outgoing_from_payload(p) for p in (await store.outbox(SHARD)).values()]
+        if not entries:
+            return handled
+        await store.mark_sent(SHARD, [m.message_id for m in entries])
+        batch = [message_for(m) for m in entries if m.kind in ("task", "barrier.released")]
+        if batch:
+            await processor.handle_batch(SHARD, batch)
+            handled += len(batch)
+            await assert_kept_records_are_redis(processor, store, client)
+    raise AssertionError("the runs did not settle")
+
+
+def message_for(message: Outgoing) -> Envelope:
+    return report(message) if message.kind == "task" else envelope_for(message, SIGNER, 0)
+
+
+async def start(
+    store: RedisStore, processor: Processor, plan: CompiledPlan, name: str, contexts: list[Any]
+) -> list[str]:
+    await publish_active(store, plan)
+    runs = [f"kept-{uuid.uuid4().hex[:10]}" for _ in contexts]
+    await processor.handle_batch(
+        SHARD,
+        [
+            start_envelope(SIGNER, run, name, plan.digest, ctx)
+            for run, ctx in zip(runs, contexts, strict=True)
+        ],
+    )
+    return runs
+
+
+def test_kept_records_equal_the_run_hashes_and_spare_the_reads() -> None:
+    async def main(store: CountingStore, client: aioredis.Redis) -> None:
+        processor = Processor(store, lambda: int(time.time() * 1000))
+        ingest = await start(
+            store,
+            processor,
+            compiled("model-ingest"),
+            "model-ingest",
+            [{"modelId": f"miss-{i}"} for i in range(6)],
+        )
+        bags = await start(
+            store, processor, compile_yaml(SPLIT), "split-bag", [{"modelIds": ["a", "b", "c", "d"]}] * 3
+        )
+        assert await assert_kept_records_are_redis(processor, store, client) == 9  # kept from creation on
+        handled = await deliver_all(processor, store, client)
+        # every transition after a run's creation was decided from its kept record, but around a bag's
+        # release: it reads the items' results afresh (they are not kept), and the next message the record
+        assert not set(store.read_runs) & set(ingest), f"{store.reads} reads for {handled} messages"
+        assert all(store.read_runs.count(run) <= 3 for run in bags), store.read_runs
+        assert not store.conflicts
+        with redis.Redis.from_url(REDIS_URL, decode_responses=True) as r:
+            states = {run: r.hget(store.keys(SHARD).run(run), "status") for run in ingest + bags}
+            violations = invariants.check_runs(r, store.prefix, ingest + bags, effects=False)
+        assert set(states.values()) == {"completed"}, states
+        invariants.assert_no_violations(violations, "runs advanced from kept records")
+        assert len(processor.records) == 0  # finished runs are not kept
+
+    asyncio.run(with_store(main))
+
+
+def test_a_write_made_elsewhere_is_never_decided_over() -> None:
+    """Another process (an old consumer, a standby firing a timer) writes the run: this one's kept record
+    is stale, its next transition expects a revision that is gone, and the message is decided again
+    from what Redis holds."""
+
+    async def main(store: CountingStore, client: aioredis.Redis) -> None:
+        here = Processor(store, lambda: int(time.time() * 1000))
+        elsewhere = Processor(store, lambda: int(time.time() * 1000))
+        (run,) = await start(
+            store, here, compiled("model-ingest"), "model-ingest", [{"modelId": "miss-stale"}]
+        )
+        lookup = await only_task(store)
+        await here.handle_batch(SHARD, [report(lookup)])  # cache-lookup missed: render is dispatched
+        render = await only_task(store)
+        assert render.body["stage"] == "render-thumbnail" and (render.body.get("report") or {}).get("accept")
+        # the acceptance is applied by the other process: this one's kept record does not know of it
+        await elsewhere.handle_batch(SHARD, [acceptance(render)])
+        assert here.records.get(SHARD, run) is not None
+        await here.handle_batch(SHARD, [report(render)])
+        assert store.conflicts, "the decision from the stale record met a conflict"
+        # one read by the other process, one to decide the result again
+        assert store.reads == 2, "the message was decided again from a fresh read"
+        # the render's result counted once and the run goes on from it
+        history = await store.history(SHARD, run)
+        assert [e["kind"] for e in history].count("stage.completed") == 2
+        await assert_kept_records_are_redis(here, store, client)
+        await deliver_all(here, store, client)
+        with redis.Redis.from_url(REDIS_URL, decode_responses=True) as r:
+            assert r.hget(store.keys(SHARD).run(run), "status") == "completed"
+            invariants.assert_no_violations(
+                invariants.check_runs(r, store.prefix, [run], effects=False), "stale"
+            )
+
+    asyncio.run(with_store(main))
+
+
+async def only_task(store: RedisStore) -> Outgoing:
+    entries = [outgoing_from_payload(p) for p in (await store.outbox(SHARD)).values()]
+    await store.mark_sent(SHARD, [m.message_id for m in entries])
+    (task,) = [m for m in entries if m.kind == "task"]
+    return task
+
+
+def acceptance(task: Outgoing) -> Envelope:
+    body = task.body
+    fields = {n: body[n] for n in ("run_id", "shard", "stage", "attempt", "fence", "item", "digest")}
+    raw = signed_message(
+        SIGNER,
+        kind=Kind.ACCEPTED,
+        message_id=ids.acceptance_id(str(body["run_id"]), str(body["stage"]), str(body["fence"])),
+        body={},
+        **fields,
+    )
+    return decode(raw, SIGNER, 1_048_576)
+
+
+def test_the_revision_alone_catches_a_write_no_decision_expects() -> None:
+    """A write elsewhere that changes nothing the next decision expects (here: only the revision) still
+    sends that decision back to a fresh read."""
+
+    async def main(store: CountingStore, client: aioredis.Redis) -> None:
+        here = Processor(store, lambda: int(time.time() * 1000))
+        (run,) = await start(store, here, compiled("model-ingest"), "model-ingest", [{"modelId": "miss-rev"}])
+        lookup = await only_task(store)
+        await client.hincrby(store.keys(SHARD).run(run), "rev", 1)  # type: ignore[misc]
+        await here.handle_batch(SHARD, [report(lookup)])
+        assert store.conflicts == ["rev"]
+        assert store.reads == 1
+        await assert_kept_records_are_redis(here, store, client)
+        await deliver_all(here, store, client)
+        with redis.Redis.from_url(REDIS_URL, decode_responses=True) as r:
+            assert r.hget(store.keys(SHARD).run(run), "status") == "completed"
+
+    asyncio.run(with_store(main))
