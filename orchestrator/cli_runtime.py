@@ -308,6 +308,7 @@ def worker(
             delivery_limit=settings.delivery_limit,
             quorum_group_size=settings.quorum_group_size,
             max_message_bytes=settings.max_message_bytes,
+            batch_results=settings.batch_results,
             crash_points=frozenset(settings.crash_points),
             presence=Presence(registry_redis, settings.key_prefix, worker_info(handlers, serving, apps)),
         )

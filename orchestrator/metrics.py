@@ -94,6 +94,19 @@ WORKER_TASKS = Counter(
     "Tasks a worker ran, by contract and outcome (completed, failed, cancelled).",
     ["contract", "outcome"],
 )
+# A container: several messages for one shard in one AMQP message (orchestrator/bus/batch.py).
+_CONTAINER = (2, 4, 8, 16, 32, 64, 128, 256)
+SHARD_CONTAINERS = Histogram(
+    "saga_shard_container_messages",
+    "Messages per container a shard received (a worker's reports of one event-loop turn, in one message).",
+    buckets=_CONTAINER,
+)
+WORKER_CONTAINERS = Histogram(
+    "saga_worker_container_reports",
+    "Reports per container a worker published and had confirmed (those of one event-loop turn for one "
+    "shard, in one message); a report sent alone is not counted.",
+    buckets=_CONTAINER,
+)
 
 # ---- orchestrator ---------------------------------------------------------------------------------
 
@@ -112,6 +125,11 @@ def batch(shard: str, size: int) -> None:
     BATCH_SIZE.observe(size)
     if shard not in _ACTIVE:
         shard_state(shard, active=True)
+
+
+def container(size: int) -> None:
+    """A shard received a container of ``size`` messages."""
+    SHARD_CONTAINERS.observe(size)
 
 
 def lua_call(function: str, seconds: float) -> None:
@@ -236,6 +254,11 @@ def task_done(contract: str, *, ok: bool, cancelled: bool, seconds: float | None
     WORKER_TASKS.labels(contract, outcome).inc()
     if seconds is not None:
         HANDLER_SECONDS.labels(contract).observe(seconds)
+
+
+def reports_batched(size: int) -> None:
+    """A worker's container of ``size`` reports was confirmed."""
+    WORKER_CONTAINERS.observe(size)
 
 
 # ---- serving --------------------------------------------------------------------------------------

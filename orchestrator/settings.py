@@ -105,6 +105,12 @@ class Settings(BaseSettings):
         description="what one transition may send or write in all (a bag's item tasks, a bag's results): it "
         "travels to Redis as one call",
     )
+    batch_results: bool = Field(
+        True,
+        description="a worker sends the results (and acceptances, heartbeats) it finished in one event-loop "
+        "turn for one shard in one message, each still signed and acked on its own; false: each alone. "
+        "Orchestrators older than this release refuse such messages: upgrade them first",
+    )
     serial_lease_ms: int = Field(
         15_000,
         ge=1_000,

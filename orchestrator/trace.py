@@ -58,7 +58,8 @@ class Tracer:
 
     @contextmanager
     def span(self, step: str, message_ids: Iterable[str] = ()) -> Iterator[None]:
-        """Time the ``with`` body as ``step`` of the messages ``message_ids``."""
+        """Time the ``with`` body as ``step`` of the messages ``message_ids``, which is read when the body
+        ends (ids learnt inside it count)."""
         if self._file is None:
             yield
             return

@@ -2,7 +2,10 @@
 
 For each task: verify the envelope, validate the input against the handler's contract, call the handler
 (async handlers on the loop, plain ones in a thread pool) with the task's idempotency key, validate the
-output, publish a signed result (confirmed, mandatory) to the run's shard, then ack. A handler exception
+output, publish a signed result (confirmed, mandatory) to the run's shard, then ack. The results (and
+acceptances and heartbeats) finished in one event-loop turn for one shard travel in one message, each
+with its own bytes and id (``workers/results.py``; ``SAGA_BATCH_RESULTS=false`` sends each alone), and
+each task is acked once the message carrying its result is confirmed. A handler exception
 is a reported failure, never a requeue loop: retryable unless it is a ``PermanentFailure`` (or the input
 or output does not fit the contract); the orchestrator alone decides whether another attempt runs. The
 result's message id is derived from the task's, so a redelivered task that runs again reports under the
@@ -47,6 +50,7 @@ from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractRobus
 from pydantic import BaseModel, ValidationError
 
 from orchestrator import faults, logs, metrics
+from orchestrator.bus import batch
 from orchestrator.bus.connect import untracked_channel
 from orchestrator.bus.envelope import Envelope, EnvelopeRejected, Kind, Signer, decode, signed_message
 from orchestrator.bus.names import SERIAL_TASKS, Names
@@ -56,6 +60,7 @@ from orchestrator.engine import ids, sizes
 from orchestrator.store.worker_registry import Presence, WorkerInfo
 from orchestrator.trace import TRACE
 from workers.acks import AckCoalescer
+from workers.results import Outbound, ResultBatcher
 from workers.sdk import Handler, PermanentFailure
 from workers.serial_lane import Lease, SerialLane
 
@@ -111,6 +116,7 @@ class WorkerRuntime:
     delivery_limit: int = 20
     quorum_group_size: int | None = None
     max_message_bytes: int = 1_048_576
+    batch_results: bool = True  # one turn's reports for a shard in one message (workers/results.py)
     crash_points: frozenset[str] = frozenset()  # tests only: orchestrator/faults.py
     presence: Presence | None = None  # the live worker registry entry, kept while consuming
     clock_ms: Callable[[], int] = field(default=lambda: int(time.time() * 1000))
@@ -127,6 +133,7 @@ class WorkerRuntime:
     _giving_up: bool = False  # consumers cancelled on the way out: waiting deliveries go back
     _slots: asyncio.Semaphore = field(init=False)
     _coalescers: dict[int, AckCoalescer] = field(default_factory=dict)  # per channel: tags count per channel
+    _batchers: dict[int, ResultBatcher] = field(default_factory=dict)  # per publisher
     # the channels of the task queues' consumers, once every one is subscribed (for /readyz)
     _consuming_on: tuple[AbstractChannel, ...] = ()
 
@@ -366,7 +373,7 @@ class WorkerRuntime:
         faults.crash(self.crash_points, "worker-after-effect")
         result_id = ids.result_id(envelope.message_id)
         try:
-            await publisher.publish_bytes(result, result_id, self.names.runs_exchange, envelope.shard)
+            await self._reports(publisher).send(result, result_id, envelope.shard)
         except aiormq.exceptions.PublishError:
             # The run's shard has no queue (retired, so the run has ended): no retry can deliver it, and
             # requeueing the task would only run it again. The result is parked with the reason.
@@ -464,9 +471,41 @@ class WorkerRuntime:
         what = kind.value
         body = self._reply(task, kind, message_id, {})
         try:
-            await publisher.publish_bytes(body, message_id, self.names.runs_exchange, task.shard)
+            await self._reports(publisher).send(body, message_id, task.shard)
         except Exception as exc:
             log.warning("could not report %s of %s (run %s): %s", what, task.stage, task.run_id, exc)
+
+    def _reports(self, publisher: Publisher) -> ResultBatcher:
+        """The batcher of ``publisher``'s reports (results, acceptances, heartbeats) to run shards."""
+        reports = self._batchers.get(id(publisher))
+        if reports is None:
+
+            async def publish(message: Outbound) -> None:
+                await self._publish_report(publisher, message)
+
+            reports = ResultBatcher(publish, self.max_message_bytes, enabled=self.batch_results)
+            self._batchers[id(publisher)] = reports
+        return reports
+
+    async def _publish_report(self, publisher: Publisher, message: Outbound) -> None:
+        """Publish a report, or a container of several, with the publisher's confirm and retries."""
+        container = message.headers is not None
+        if container and TRACE.enabled:  # each report's own hop, as if it had travelled alone
+            for report in message.ids:
+                TRACE.event("sent", report)
+        await publisher.publish_bytes(
+            message.body,
+            message.message_id,
+            self.names.runs_exchange,
+            message.shard,
+            headers=message.headers,
+            content_type=batch.CONTENT_TYPE if container else "application/json",
+        )
+        if container:
+            metrics.reports_batched(len(message.ids))
+            if TRACE.enabled:
+                for report in message.ids:
+                    TRACE.event("confirmed", report)
 
     async def _execute(self, envelope: Envelope, pool: ThreadPoolExecutor, turn: Turn) -> Outcome:
         """Run the task's handler; ``turn`` is given back once the handler has returned, which for a

@@ -83,10 +83,15 @@ def _transient(exc: BaseException) -> bool:
     )
 
 
-def _properties(message_id: str) -> spec.Basic.Properties:
+def _properties(
+    message_id: str, headers: Mapping[str, Any] | None = None, content_type: str = "application/json"
+) -> spec.Basic.Properties:
     persistent = int(aio_pika.DeliveryMode.PERSISTENT)
     return spec.Basic.Properties(
-        message_id=message_id, content_type="application/json", delivery_mode=persistent
+        message_id=message_id,
+        content_type=content_type,
+        delivery_mode=persistent,
+        headers=dict(headers) if headers else None,
     )
 
 
@@ -176,6 +181,10 @@ class Publisher:
             self._declared.pop(name, None)  # deleted behind our back: declare it again on the next try
             raise
 
+    async def declarations_settled(self) -> None:
+        """Wait until every task queue declaration in progress has finished (fault injection only)."""
+        await asyncio.gather(*self._declared.values(), return_exceptions=True)
+
     async def _declare_once(self, name: str, queue: str, contract: str) -> None:
         """Declare a contract queue the first time this process sends to it; concurrent sends wait for the
         one declaration, and a failed one is tried again by the next send."""
@@ -233,13 +242,23 @@ class Publisher:
         )
 
     async def publish_bytes(
-        self, body: bytes, message_id: str, exchange: str, routing_key: str, *, mandatory: bool = True
+        self,
+        body: bytes,
+        message_id: str,
+        exchange: str,
+        routing_key: str,
+        *,
+        mandatory: bool = True,
+        headers: Mapping[str, Any] | None = None,
+        content_type: str = "application/json",
     ) -> None:
         """Publish and wait for the confirm, retrying transient broker trouble a few times (the same
         message, the same id: a retry is at worst a duplicate, never a new attempt). An unroutable
-        message is not transient and raises at once."""
+        message is not transient and raises at once. ``headers`` and ``content_type``: a container's
+        (``bus/batch.py``); an envelope has none."""
+        properties = _properties(message_id, headers, content_type)
         try:
-            await self._publish_once(body, message_id, exchange, routing_key, mandatory)
+            await self._publish_once(body, message_id, exchange, routing_key, mandatory, properties)
             return
         except Exception as exc:  # the common path pays nothing for the retry machinery
             if not _transient(exc):
@@ -253,10 +272,16 @@ class Publisher:
             reraise=True,
         ):
             with attempt:
-                await self._publish_once(body, message_id, exchange, routing_key, mandatory)
+                await self._publish_once(body, message_id, exchange, routing_key, mandatory, properties)
 
     async def _publish_once(
-        self, body: bytes, message_id: str, exchange: str, routing_key: str, mandatory: bool
+        self,
+        body: bytes,
+        message_id: str,
+        exchange: str,
+        routing_key: str,
+        mandatory: bool,
+        properties: spec.Basic.Properties,
     ) -> None:
         # Straight to aiormq with wait=False: aio-pika's publish waits for each frame to be written
         # before the next publish on the channel may queue, so every message cost its own socket write.
@@ -274,7 +299,7 @@ class Publisher:
             body,
             exchange=exchange,
             routing_key=routing_key,
-            properties=_properties(message_id),
+            properties=properties,
             mandatory=mandatory,
             wait=False,  # type: ignore[call-arg]  # the concrete aiormq channel takes it
         )

@@ -5,6 +5,10 @@ Per shard, one channel (acks with ``multiple=True`` are per channel) and one loo
     take a batch of deliveries ▸ decode + verify ▸ per run, in order: engine ▸ Lua apply
     ▸ publish what the transitions caused (confirms) ▸ mark confirmed entries sent ▸ ack the batch
 
+A delivery may be a container of several messages (a worker's reports of one loop turn,
+``bus/batch.py``): it is opened into one delivery per message, each decoded, verified, applied, passed on
+or refused on its own; the container is acked once every one of them is settled.
+
 Runs in one batch are processed concurrently (their transitions commute); a run's own messages stay in
 delivery order. Redis unreachable: the loop closes its channel (unacked deliveries go back to the queue,
 no dead-lettering) and waits for Redis before consuming again. A relay re-publishes outbox entries that
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -29,6 +34,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from orchestrator import faults, health, logs, metrics
+from orchestrator.bus import batch as containers
 from orchestrator.bus.connect import untracked_channel
 from orchestrator.bus.envelope import Envelope, EnvelopeRejected, Signer, decode
 from orchestrator.bus.names import Names
@@ -98,10 +104,38 @@ def _redeliveries(message: AbstractIncomingMessage) -> int:
 
 @dataclass
 class _Delivery:
+    """One message to handle: a delivery of its own, or one message of a container (``position`` set),
+    several of which then share their AMQP ``message``."""
+
     message: AbstractIncomingMessage
+    body: bytes  # what it came as: the message's body, or its payload in the container
+    position: int | None = None  # its place in its container
     envelope: Envelope | None = None
     outcome: Outcome | None = None
     error: BaseException | None = None
+
+    @property
+    def message_id(self) -> str | None:
+        """Its id for logs, traces and the rejected queue: the AMQP message's; for one of a container
+        the envelope's, or until it is decoded the container's and its position."""
+        if self.position is None:
+            return self.message.message_id
+        if self.envelope is not None:
+            return self.envelope.message_id
+        return f"{self.message.message_id or '?'}/{self.position}"
+
+
+def _opened(message: AbstractIncomingMessage, max_bytes: int) -> list[_Delivery]:
+    """The deliveries a message holds: itself, or each message of a container; a malformed container is
+    one delivery, refused with the reason."""
+    if not containers.is_container(message.headers):
+        return [_Delivery(message, message.body)]
+    try:
+        payloads = containers.unpack(message.body, message.headers or {}, max_bytes)
+    except EnvelopeRejected as exc:
+        return [_Delivery(message, message.body, outcome=Outcome(rejected=(exc.reason, exc.detail)))]
+    metrics.container(len(payloads))
+    return [_Delivery(message, payload, position) for position, payload in enumerate(payloads)]
 
 
 @dataclass
@@ -279,20 +313,10 @@ class ShardService:
         return await untracked_channel(self.connection)
 
     async def _process(self, shard: str, batch: list[AbstractIncomingMessage], publisher: Publisher) -> None:
-        deliveries = [_Delivery(m) for m in batch]
         metrics.batch(shard, len(batch))
         faults.crash(self.options.crash_points, "after-consume")
-        valid: list[_Delivery] = []
-        with TRACE.span("decode", _ids(deliveries)):
-            for delivery in deliveries:
-                try:
-                    delivery.envelope = decode(
-                        delivery.message.body, self.signer, self.options.max_message_bytes
-                    )
-                except EnvelopeRejected as exc:
-                    delivery.outcome = Outcome(rejected=(exc.reason, exc.detail))
-                    continue
-                valid.append(delivery)
+        deliveries = self._decoded(batch)
+        valid = [d for d in deliveries if d.envelope is not None]
         if TRACE.enabled:
             for delivery in valid:
                 TRACE.decoded(delivery.envelope)
@@ -311,6 +335,23 @@ class ShardService:
             async with asyncio.timeout(self.options.redis_timeout_s):
                 await asyncio.gather(*(self._run_group(shard, group) for group in groups.values()))
         await self._settle(shard, deliveries, publisher)
+
+    def _decoded(self, batch: list[AbstractIncomingMessage]) -> list[_Delivery]:
+        """The batch's deliveries (a container's messages each one of its own), each with its verified
+        envelope or the reason it is refused."""
+        deliveries: list[_Delivery] = []
+        # the ids are read when the span ends: a container's messages are known by theirs once decoded
+        with TRACE.span("decode", (d.message_id or "" for d in deliveries)):
+            for message in batch:
+                deliveries.extend(_opened(message, self.options.max_message_bytes))
+            for delivery in deliveries:
+                if delivery.outcome is not None:  # a malformed container: refused whole
+                    continue
+                try:
+                    delivery.envelope = decode(delivery.body, self.signer, self.options.max_message_bytes)
+                except EnvelopeRejected as exc:
+                    delivery.outcome = Outcome(rejected=(exc.reason, exc.detail))
+        return deliveries
 
     async def _continue_locally(
         self, shard: str, outgoing: list[Outgoing]
@@ -379,6 +420,9 @@ class ShardService:
     async def _publish(self, publisher: Publisher, outgoing: list[Outgoing]) -> list[str]:
         if outgoing and "before-confirm" in self.options.crash_points:
             publishing = asyncio.ensure_future(publisher.publish_all(outgoing, self.clock_ms()))
+            await asyncio.sleep(0.01)
+            # a task queue this process sends to for the first time is declared before its publish
+            await publisher.declarations_settled()
             await asyncio.sleep(0.01)  # the frames are on their way; their confirms are not processed
             faults.crash(self.options.crash_points, "before-confirm")
             return await publishing
@@ -401,11 +445,11 @@ class ShardService:
             if outcome is not None and outcome.rejected:
                 reason, detail = outcome.rejected
                 await publisher.reject(
-                    delivery.message.body,
+                    delivery.body,  # one message of a container is parked alone: the others go on
                     reason,
                     detail,
                     self.options.names.shard_queue(shard),
-                    delivery.message.message_id,
+                    delivery.message_id,
                 )
 
     async def _ack(self, shard: str, deliveries: list[_Delivery]) -> None:
@@ -416,35 +460,44 @@ class ShardService:
                 # (aio-pika's ack waits for its own write and drain first)
                 await last.channel.basic_ack(delivery_tag=last.delivery_tag, multiple=True, wait=False)
             return
-        for delivery in deliveries:
-            if delivery.error is None:
-                await delivery.message.ack()
-            elif _redeliveries(delivery.message) >= self.options.poison_after:
-                with logs.log_context(**logs.envelope_ids(delivery.envelope)):
-                    await self._poisoned(shard, delivery)
+        # Settled once per AMQP message (twice would be a channel error): a container goes back whole if
+        # any of its messages failed; those that committed come back as recognised duplicates.
+        for message, group in _by_message(deliveries):
+            failed = [d for d in group if d.error is not None]
+            if not failed:
+                await message.ack()
+            elif _redeliveries(message) >= self.options.poison_after:
+                await self._poisoned(shard, message, failed)
             else:
-                await delivery.message.nack(requeue=True)
+                await message.nack(requeue=True)
 
-    async def _poisoned(self, shard: str, delivery: _Delivery) -> None:
-        """The transition failed on every delivery: a bug or corrupt state, not bad input. Mark the run
-        failed with the reason (it would wait forever otherwise) and dead-letter the message for a human;
-        other runs of the shard go on."""
-        envelope, message = delivery.envelope, delivery.message
-        if envelope is not None:
-            error = f"{type(delivery.error).__name__}: {delivery.error}"[:500]
-            try:
-                # the shard being served: a start message names no shard of its own
-                await self.store.poison(shard, envelope.run_id, envelope.message_id, error, self.clock_ms())
-            except Exception:
-                log.exception(
-                    "could not mark run %s failed for poison message %s", envelope.run_id, envelope.message_id
+    async def _poisoned(self, shard: str, message: AbstractIncomingMessage, failed: list[_Delivery]) -> None:
+        """The transitions of ``failed`` (the messages ``message`` carries that failed) failed on every
+        delivery: a bug or corrupt state, not bad input. Mark each one's run failed with the reason (it
+        would wait forever otherwise) and dead-letter the message once, for a human; other runs of the
+        shard go on."""
+        for delivery in failed:
+            envelope = delivery.envelope
+            with logs.log_context(**logs.envelope_ids(envelope)):
+                if envelope is not None:
+                    error = f"{type(delivery.error).__name__}: {delivery.error}"[:500]
+                    try:
+                        # the shard being served: a start message names no shard of its own
+                        await self.store.poison(
+                            shard, envelope.run_id, envelope.message_id, error, self.clock_ms()
+                        )
+                    except Exception:
+                        log.exception(
+                            "could not mark run %s failed for poison message %s",
+                            envelope.run_id,
+                            envelope.message_id,
+                        )
+                log.error(
+                    "message %s (run %s) failed on %d deliveries: dead-lettered",
+                    delivery.message_id,
+                    envelope.run_id if envelope else "?",
+                    _redeliveries(message) + 1,
                 )
-        log.error(
-            "message %s (run %s) failed on %d deliveries: dead-lettered",
-            message.message_id,
-            envelope.run_id if envelope else "?",
-            _redeliveries(message) + 1,
-        )
         await message.nack(requeue=False)
 
     async def _fire_timers(self, shard: str, publisher: Publisher) -> None:
@@ -512,16 +565,39 @@ class ShardService:
 
 
 def _ids(deliveries: list[_Delivery]) -> list[str]:
-    return [d.message.message_id or "" for d in deliveries]
+    return [d.message_id or "" for d in deliveries]
+
+
+def _by_message(deliveries: list[_Delivery]) -> list[tuple[AbstractIncomingMessage, list[_Delivery]]]:
+    """The deliveries grouped by the AMQP message they came in, in delivery order."""
+    groups: dict[int, tuple[AbstractIncomingMessage, list[_Delivery]]] = {}
+    for delivery in deliveries:
+        groups.setdefault(id(delivery.message), (delivery.message, []))[1].append(delivery)
+    return list(groups.values())
 
 
 def _traced(
     put: Callable[[AbstractIncomingMessage], Awaitable[None]],
 ) -> Callable[[AbstractIncomingMessage], Awaitable[None]]:
-    """``put``, first recording when each delivery arrived (tracing on)."""
+    """``put``, first recording when each delivery arrived (tracing on), and each message of a
+    container, so every message's hop is measured as if it had travelled alone."""
 
     async def received(message: AbstractIncomingMessage) -> None:
         TRACE.event("received", message.message_id or "")
+        for message_id in _contained_ids(message):
+            TRACE.event("received", message_id)
         await put(message)
 
     return received
+
+
+def _contained_ids(message: AbstractIncomingMessage) -> list[str]:
+    """The message ids inside a container, as well as can be read (tracing only: nothing is verified)."""
+    if not containers.is_container(message.headers):
+        return []
+    found = []
+    with contextlib.suppress(EnvelopeRejected):
+        for payload in containers.unpack(message.body, message.headers or {}, len(message.body)):
+            with contextlib.suppress(ValueError, AttributeError):
+                found.append(str(json.loads(payload).get("message_id", "")))
+    return found

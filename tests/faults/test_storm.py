@@ -30,7 +30,7 @@ from typing import Any
 import aio_pika
 import pytest
 
-from orchestrator.bus import names
+from orchestrator.bus import batch, names
 from orchestrator.bus.envelope import Envelope, Kind, encode
 from orchestrator.bus.names import Names
 from orchestrator.client import Client, status_document
@@ -192,7 +192,8 @@ async def storm_until_done(stack: Stack, storm: Storm, run_ids: list[str], resta
             while loop.time() - started < STORM_MAX_S:
                 now = loop.time()
                 while (message := await tap.get(no_ack=True, fail=False)) is not None:
-                    storm.capture(message.body, now)
+                    for raw in reports_in(message):
+                        storm.capture(raw, now)
                 while restarts and restart_at and restart_at[0] <= now:
                     restart_at.pop(0)
                     start = restarts.pop()
@@ -237,6 +238,13 @@ def storm_workload(stack: Stack, rng: random.Random) -> tuple[list[Start], dict[
             "thumbnails": [{"thumbnailUri": f"thumbs/{item}.png"} for item in items],
         }
     return starts, expected
+
+
+def reports_in(message: aio_pika.abc.AbstractIncomingMessage) -> list[bytes]:
+    """The reports a tapped message carries: itself, or each one in a worker's container."""
+    if batch.is_container(message.headers):
+        return batch.unpack(message.body, message.headers or {}, len(message.body))
+    return [message.body]
 
 
 def declare_tap(stack: Stack) -> None:

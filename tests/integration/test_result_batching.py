@@ -1,0 +1,257 @@
+"""Batched results on the real services: a worker sends the results it finished in one event-loop turn
+for one shard in one message (a container, orchestrator/bus/batch.py), and the orchestrator takes each
+result in it on its own.
+
+- a bag of 200 items completes, and the metrics of both processes show results that came in containers;
+- a container holding a valid result and a forged one: the valid one is applied, the forged one is
+  parked on the rejected queue with its own bytes and reason;
+- a container redelivered after its results committed (the orchestrator killed between commit and ack)
+  is recognised as duplicates by the next orchestrator: no double effect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import aio_pika
+import pytest
+
+from orchestrator.bus import batch
+from orchestrator.bus.envelope import Envelope, Signer, decode, signed_message
+from orchestrator.bus.names import Names
+from orchestrator.client import SyncClient
+from orchestrator.engine import ids
+from tests.integration.own_redis import free_port
+from tests.integration.stack import Stack, poll
+from tests.integration.test_metrics import scrape, total
+
+pytestmark = pytest.mark.services
+
+NAMES = Names()  # the stack runs in the default namespace, on a vhost of its own
+CACHE_LOOKUP = NAMES.task_queue("tasks.actions", "cache.lookup@1")
+FORGER = Signer.from_settings(("dev:not-the-signing-key",))  # the real key's id, another secret
+WIDTH = 200
+
+
+@pytest.fixture(scope="module")
+def stack() -> Iterator[tuple[Stack, int, int]]:
+    stack = Stack("batching", env={"SAGA_DEMO_EFFECTS": "0"})  # no-op handlers
+    stack.setup()
+    ports = free_port(), free_port()
+    try:
+        stack.start_orchestrator("orchestrator", "--metrics-port", str(ports[0]))
+        stack.start_worker("worker", "--metrics-port", str(ports[1]))
+        for port in ports:
+            poll(functools.partial(scrape, port), timeout_s=15, what=f"a metrics server on port {port}")
+        yield stack, *ports
+    finally:
+        stack.teardown()
+
+
+def test_a_wide_bag_completes_with_its_results_batched(stack: tuple[Stack, int, int]) -> None:
+    s, orchestrator_port, worker_port = stack
+    # Given a worker running 16 tasks at once
+    # When a bag of 200 no-op items runs
+    models = [f"m{i}" for i in range(WIDTH)]
+    with SyncClient(s.settings) as client:
+        run_id = client.start("thumbnail-batch", {"modelIds": models})
+        result = client.wait(run_id, timeout_s=60)
+    # Then it completes with every item's result in item order
+    assert result.state == "completed", result
+    assert result.output == {
+        "count": WIDTH,
+        "thumbnails": [{"thumbnailUri": f"thumbs/{m}.png"} for m in models],
+    }
+    # and some of the results travelled several to a message, on both sides of the broker
+    worker = scrape(worker_port)
+    orchestrator = scrape(orchestrator_port)
+    assert worker is not None and orchestrator is not None
+    sent = total(worker, "saga_worker_container_reports_count")
+    received = total(orchestrator, "saga_shard_container_messages_count")
+    assert sent > 0, "no container was sent"
+    assert received == sent, (received, sent)
+    carried = total(worker, "saga_worker_container_reports_sum")
+    assert total(orchestrator, "saga_shard_container_messages_sum") == carried
+    assert 2 * sent <= carried <= WIDTH + 1  # the items' results (and the finaliser's, alone or not)
+    # and nothing was refused or dead-lettered on the way
+    depths = s.queue_depths()
+    assert depths.get(NAMES.rejected_queue, 0) == 0, depths
+    assert all(n == 0 for q, n in depths.items() if q.endswith(".dlq")), depths
+
+
+def test_a_forged_result_in_a_container_is_parked_alone_and_the_valid_one_applied(
+    stack: tuple[Stack, int, int],
+) -> None:
+    s, _, _ = stack
+    # Given two runs waiting for their cache lookups, which no worker will answer
+    stop_worker(s)
+    with SyncClient(s.settings) as client:
+        runs = [client.start("model-ingest", {"modelId": f"forged-{i}"}) for i in range(2)]
+    tasks = {t.run_id: t for t in take_tasks(s, CACHE_LOOKUP, 2)}
+    valid, forged = answer(tasks[runs[0]], s.signer), answer(tasks[runs[1]], FORGER)
+    shard = tasks[runs[0]].shard
+    # When a container holds a valid result for the first and a forged one for the second
+    publish_container(s, shard, [valid, forged])
+    # Then the valid one is applied
+    poll(
+        lambda: s.record(runs[0]).get("s:render-thumbnail:status") == "dispatched",
+        20,
+        what="the valid result applied",
+    )
+    # and the forged one is parked on the rejected queue with its own bytes and the reason
+    (parked,) = poll(lambda: take_parked(s), 20, what="the forged result parked")
+    body, headers, message_id = parked
+    assert body == forged
+    assert headers["x-saga-reason"] == "bad-signature"
+    assert headers["x-saga-source"] == NAMES.shard_queue(shard)
+    assert message_id.startswith("batch-") and message_id.endswith("/1")
+    # and the run it names did not move
+    assert s.record(runs[1]).get("s:cache-lookup:status") == "dispatched"
+    assert s.queue_depths().get(NAMES.shard_queue(shard), 0) == 0  # the container was acked
+
+
+def test_a_container_redelivered_after_its_results_committed_is_recognised_as_duplicates(
+    stack: tuple[Stack, int, int],
+) -> None:
+    s, _, _ = stack
+    # Given two runs on one shard waiting for their cache lookups, which no worker will answer
+    stop_worker(s)
+    with SyncClient(s.settings) as client:
+        started = [client.start("model-ingest", {"modelId": f"again-{i}"}) for i in range(3)]
+    tasks = take_tasks(s, CACHE_LOOKUP, 3)
+    shard = next(t.shard for t in tasks if sum(u.shard == t.shard for u in tasks) >= 2)
+    pair = [t for t in tasks if t.shard == shard][:2]
+    assert {t.run_id for t in tasks} == set(started)
+    # and an orchestrator that dies after its next commit, before it acks
+    s.stop("orchestrator")
+    s.start_orchestrator("crashing", extra_env={"SAGA_CRASH_POINTS": "after-commit"})
+    poll(lambda: s.list_queues("consumers").get(NAMES.shard_queue(shard), 0) == 1, 20, what="it consumes")
+    # When a container of both results reaches it
+    publish_container(s, shard, [answer(t, s.signer) for t in pair])
+    assert s.wait_exit("crashing") == -9
+    committed = {t.run_id: s.record(t.run_id) for t in pair}
+    assert all(r["s:cache-lookup:status"] == "completed" for r in committed.values()), committed
+    # and the next orchestrator gets the container again
+    s.start_orchestrator("orchestrator")
+    # Then each result in it is recognised as a duplicate, and changes nothing
+    for task in pair:
+        result_id = ids.result_id(task.message_id)
+        poll(
+            lambda run=task.run_id, rid=result_id: duplicates(s, run, rid) == 1,
+            20,
+            what=f"the result for {task.run_id} recognised as a duplicate",
+        )
+        assert s.record(task.run_id) == committed[task.run_id]
+        completed = [e for e in s.history(task.run_id) if e["kind"] == "stage.completed"]
+        assert [e["stage"] for e in completed] == ["cache-lookup"]
+    poll(lambda: s.queue_depths().get(NAMES.shard_queue(shard), 0) == 0, 20, what="the container acked")
+    depths = s.queue_depths()
+    assert all(n == 0 for q, n in depths.items() if q.endswith(".dlq")), depths
+
+
+# ---- helpers -----------------------------------------------------------------------------------------
+
+
+def stop_worker(stack: Stack) -> None:
+    if "worker" in stack.processes:
+        stack.stop("worker")
+
+
+def answer(task: Envelope, signer: Signer) -> bytes:
+    """The signed bytes of a successful cache lookup (a miss) for ``task``, as its worker would send."""
+    return signed_message(
+        signer,
+        kind="result",
+        message_id=ids.result_id(task.message_id),
+        run_id=task.run_id,
+        shard=task.shard,
+        stage=task.stage,
+        attempt=task.attempt,
+        fence=task.fence,
+        item=task.item,
+        digest=task.digest,
+        contract=task.contract,
+        tenant=task.tenant,
+        issued_at_ms=int(time.time() * 1000),
+        body={"ok": True, "result": {"modelId": task.body["input"]["modelId"], "hit": False}},
+    )
+
+
+def duplicates(stack: Stack, run_id: str, message_id: str) -> int:
+    return sum(
+        e["kind"] == "callback.rejected"
+        and e["detail"].get("reason") == "duplicate"
+        and e["detail"].get("message_id") == message_id
+        for e in stack.history(run_id)
+    )
+
+
+def publish_container(stack: Stack, shard: str, payloads: list[bytes]) -> None:
+    """Publish ``payloads`` in one container to ``shard``, as a worker does."""
+    first = decode(payloads[0], stack.signer, stack.settings.max_message_bytes).message_id
+    container = batch.pack(payloads, first)
+
+    async def go() -> None:
+        connection = await aio_pika.connect(stack.settings.amqp_url)
+        try:
+            channel = await connection.channel(publisher_confirms=True)
+            exchange = await channel.get_exchange(NAMES.runs_exchange, ensure=False)
+            message = aio_pika.Message(
+                container.body,
+                headers=dict(container.headers),
+                message_id=container.message_id,
+                content_type=batch.CONTENT_TYPE,
+                delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+            )
+            await exchange.publish(message, routing_key=shard, mandatory=True)
+        finally:
+            await connection.close()
+
+    asyncio.run(go())
+
+
+def take_tasks(stack: Stack, queue: str, count: int, timeout_s: float = 20.0) -> list[Envelope]:
+    """Take ``count`` tasks off a contract queue (acked: no worker will see them), verified."""
+
+    async def go() -> list[Envelope]:
+        connection = await aio_pika.connect(stack.settings.amqp_url)
+        try:
+            channel = await connection.channel()
+            taken: list[Envelope] = []
+            deadline = time.monotonic() + timeout_s
+            while len(taken) < count:
+                assert time.monotonic() < deadline, f"only {len(taken)} of {count} tasks came on {queue}"
+                source = await channel.declare_queue(queue, passive=True)
+                message = await source.get(no_ack=False, fail=False)
+                if message is None:
+                    await asyncio.sleep(0.05)
+                    continue
+                taken.append(decode(message.body, stack.signer, stack.settings.max_message_bytes))
+                await message.ack()
+            return taken
+        finally:
+            await connection.close()
+
+    return asyncio.run(go())
+
+
+def take_parked(stack: Stack) -> list[tuple[bytes, dict[str, Any], str]]:
+    """Everything on the rejected queue now, taken off it: (body, headers, message id)."""
+
+    async def go() -> list[tuple[bytes, dict[str, Any], str]]:
+        connection = await aio_pika.connect(stack.settings.amqp_url)
+        try:
+            channel = await connection.channel()
+            queue = await channel.declare_queue(NAMES.rejected_queue, passive=True)
+            found = []
+            while (message := await queue.get(no_ack=True, fail=False)) is not None:
+                found.append((message.body, dict(message.headers or {}), message.message_id or ""))
+            return found
+        finally:
+            await connection.close()
+
+    return asyncio.run(go())
