@@ -45,7 +45,11 @@ def total(samples: Samples, name: str, **labels: str) -> float:
 
 @pytest.fixture(scope="module")
 def stack() -> Iterator[tuple[Stack, int, int]]:
-    stack = Stack("metrics")
+    yield from metered(Stack("metrics"))
+
+
+def metered(stack: Stack) -> Iterator[tuple[Stack, int, int]]:
+    """``stack`` set up with an orchestrator and a worker serving metrics: (stack, their two ports)."""
     stack.setup()
     ports = free_port(), free_port()
     try:

@@ -12,7 +12,6 @@ result in it on its own.
 from __future__ import annotations
 
 import asyncio
-import functools
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -25,9 +24,9 @@ from orchestrator.bus.envelope import Envelope, Signer, decode, signed_message
 from orchestrator.bus.names import Names
 from orchestrator.client import SyncClient
 from orchestrator.engine import ids
-from tests.integration.own_redis import free_port
 from tests.integration.stack import Stack, poll
-from tests.integration.test_metrics import scrape, total
+from tests.integration.test_metrics import metered, scrape, total
+from tests.integration.test_result_contract import take_tasks
 
 pytestmark = pytest.mark.services
 
@@ -39,17 +38,7 @@ WIDTH = 200
 
 @pytest.fixture(scope="module")
 def stack() -> Iterator[tuple[Stack, int, int]]:
-    stack = Stack("batching", env={"SAGA_DEMO_EFFECTS": "0"})  # no-op handlers
-    stack.setup()
-    ports = free_port(), free_port()
-    try:
-        stack.start_orchestrator("orchestrator", "--metrics-port", str(ports[0]))
-        stack.start_worker("worker", "--metrics-port", str(ports[1]))
-        for port in ports:
-            poll(functools.partial(scrape, port), timeout_s=15, what=f"a metrics server on port {port}")
-        yield stack, *ports
-    finally:
-        stack.teardown()
+    yield from metered(Stack("batching", env={"SAGA_DEMO_EFFECTS": "0"}))  # no-op handlers
 
 
 def test_a_wide_bag_completes_with_its_results_batched(stack: tuple[Stack, int, int]) -> None:
@@ -163,22 +152,19 @@ def stop_worker(stack: Stack) -> None:
 
 def answer(task: Envelope, signer: Signer) -> bytes:
     """The signed bytes of a successful cache lookup (a miss) for ``task``, as its worker would send."""
+    identity = task.model_dump(include=TASK_IDENTITY)
     return signed_message(
         signer,
         kind="result",
         message_id=ids.result_id(task.message_id),
-        run_id=task.run_id,
-        shard=task.shard,
-        stage=task.stage,
-        attempt=task.attempt,
-        fence=task.fence,
-        item=task.item,
-        digest=task.digest,
-        contract=task.contract,
-        tenant=task.tenant,
         issued_at_ms=int(time.time() * 1000),
         body={"ok": True, "result": {"modelId": task.body["input"]["modelId"], "hit": False}},
+        **identity,
     )
+
+
+# what a report copies from its task
+TASK_IDENTITY = {"run_id", "shard", "stage", "attempt", "fence", "item", "digest", "contract", "tenant"}
 
 
 def duplicates(stack: Stack, run_id: str, message_id: str) -> int:
@@ -212,31 +198,6 @@ def publish_container(stack: Stack, shard: str, payloads: list[bytes]) -> None:
             await connection.close()
 
     asyncio.run(go())
-
-
-def take_tasks(stack: Stack, queue: str, count: int, timeout_s: float = 20.0) -> list[Envelope]:
-    """Take ``count`` tasks off a contract queue (acked: no worker will see them), verified."""
-
-    async def go() -> list[Envelope]:
-        connection = await aio_pika.connect(stack.settings.amqp_url)
-        try:
-            channel = await connection.channel()
-            taken: list[Envelope] = []
-            deadline = time.monotonic() + timeout_s
-            while len(taken) < count:
-                assert time.monotonic() < deadline, f"only {len(taken)} of {count} tasks came on {queue}"
-                source = await channel.declare_queue(queue, passive=True)
-                message = await source.get(no_ack=False, fail=False)
-                if message is None:
-                    await asyncio.sleep(0.05)
-                    continue
-                taken.append(decode(message.body, stack.signer, stack.settings.max_message_bytes))
-                await message.ack()
-            return taken
-        finally:
-            await connection.close()
-
-    return asyncio.run(go())
 
 
 def take_parked(stack: Stack) -> list[tuple[bytes, dict[str, Any], str]]:
