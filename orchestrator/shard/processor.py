@@ -23,6 +23,7 @@ from orchestrator.engine.model import (
     Decision,
     Event,
     Expect,
+    Key,
     Nudge,
     Outgoing,
     RunSnapshot,
@@ -44,7 +45,7 @@ from orchestrator.store.redis_store import (
     PlanNotFound,
     RedisStore,
 )
-from orchestrator.store.spec import record_after, snapshot_from_record, writes_run
+from orchestrator.store.spec import field_name, record_after, snapshot_from_record, writes_run
 from orchestrator.trace import TRACE
 
 # Kinds that continue an existing run on its shard (everything but a start).
@@ -174,12 +175,7 @@ class Processor:
                     self.records.forget(shard, envelopes[i].run_id)
                     careful.append(i)
                     continue
-                if decision.arrival is None:
-                    expects = (
-                        *decision.expects,
-                        Expect(RUN, "rev", run.record.get("rev") if run.record else None),
-                    )
-                    decision = dataclasses.replace(decision, expects=expects)
+                decision = _guarded(decision, run.record or {})
             ready.append((i, event, plan, decision))
         return careful
 
@@ -463,6 +459,24 @@ class Processor:
                 publish=_to_publish(decision, result.code, result.detail), verdict=decision.verdict
             )
         raise RuntimeError(f"run {run_id}: {MAX_CONFLICT_RETRIES} conflicting writes in a row; giving up")
+
+
+def _guarded(decision: Decision, record: dict[str, str]) -> Decision:
+    """A decision made from a kept record, with what makes it safe however stale that record is: the
+    run's revision, or for an arrival (which must commute with the others of its round) its barrier
+    stage's status as well as its fences, so an arrival at a map another process ended meanwhile
+    (timed out, failed) is a conflict, decided again from Redis."""
+    if decision.arrival is None:
+        guard = Expect(RUN, "rev", record.get("rev"))
+    else:
+        stage = decision.arrival.key.name
+        status = field_name(Key("stage", stage), "status")
+        expected = {(e.key, e.field) for e in decision.expects}
+        written = {field_name(w.key, name) for w in decision.writes for name in w.fields}
+        if (Key("stage", stage), "status") in expected or status in written:
+            return decision
+        guard = Expect(Key("stage", stage), "status", record.get(status))
+    return dataclasses.replace(decision, expects=(*decision.expects, guard))
 
 
 @dataclass(frozen=True)

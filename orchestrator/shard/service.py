@@ -304,6 +304,7 @@ class ShardService:
                 await self._process(shard, batch, publisher)
         finally:
             self._subscribed.discard(shard)
+            self.processor.records.forget_shard(shard)  # served again later, it reads afresh
             metrics.shard_left(shard)
             with contextlib.suppress(Exception):
                 await queue.cancel(tag)
