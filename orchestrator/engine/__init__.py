@@ -240,9 +240,11 @@ def _map_item(step: Step, stage: Mapping[str, Any], rec: StageRecord, event: Sta
         else:
             step.fail_attempt(event.stage, stage, rec, error, retryable=False)
         return step.decision()
-    # Arrivals commute: checked against the map's own fence (and the item's attempt), never the whole run.
+    # Arrivals commute: checked against the map's own fence and status (another actor may have ended it
+    # under the same fence: a deadline, an item's last failure) and the item's attempt, never the whole run.
     step.expect(Key("stage", event.stage), "fence", rec.fence)
     step.expect(RUN, "intent", None)
+    step.expect(Key("stage", event.stage), "status", rec.status.value)
     release = step.release(event.stage, rec.fence)
     step.arrival = Arrival(Key("barrier", event.stage), str(event.item), release, result=dumps(event.result))
     return step.decision()

@@ -23,7 +23,6 @@ from orchestrator.engine.model import (
     Decision,
     Event,
     Expect,
-    Key,
     Nudge,
     Outgoing,
     RunSnapshot,
@@ -45,7 +44,7 @@ from orchestrator.store.redis_store import (
     PlanNotFound,
     RedisStore,
 )
-from orchestrator.store.spec import field_name, record_after, snapshot_from_record, writes_run
+from orchestrator.store.spec import record_after, snapshot_from_record, writes_run
 from orchestrator.trace import TRACE
 
 # Kinds that continue an existing run on its shard (everything but a start).
@@ -175,7 +174,9 @@ class Processor:
                     self.records.forget(shard, envelopes[i].run_id)
                     careful.append(i)
                     continue
-                decision = _guarded(decision, run.record or {})
+                if decision.arrival is None:  # arrivals commute: their own fences and status guard them
+                    guard = Expect(RUN, "rev", (run.record or {}).get("rev"))
+                    decision = dataclasses.replace(decision, expects=(*decision.expects, guard))
             ready.append((i, event, plan, decision))
         return careful
 
@@ -259,22 +260,22 @@ class Processor:
         """Keep the run's record as this transition left it, when its reply shows that nothing else
         wrote the run since the record was read; else forget it. Replies come in the order the
         transitions were applied, so a round's arrivals bring one record forward one by one."""
-        if result.code != APPLIED:
-            if result.code != DUPLICATE:  # a conflict, a run gone: what is kept is stale
-                read.pop(run_id, None)
-                self.records.forget(shard, run_id)
-            return
+        if result.code == DUPLICATE:
+            return  # nothing written: what is kept still holds
         before = read.get(run_id)
         base = before.record if before is not None else None
-        if result.rev is None or decision.finished or (base is None and not decision.create):
+        rev = result.rev
+        if (
+            result.code != APPLIED  # a conflict, a run gone
+            or rev is None
+            or decision.finished
+            or (base is None and not decision.create)
+            or rev != int((base or {}).get("rev", "0")) + writes_run(decision)  # a write made elsewhere
+        ):
             read.pop(run_id, None)
             self.records.forget(shard, run_id)
             return
-        if result.rev != int((base or {}).get("rev", "0")) + writes_run(decision):
-            read.pop(run_id, None)
-            self.records.forget(shard, run_id)
-            return
-        after = record_after(base or {}, decision, result.rev)
+        after = record_after(base or {}, decision, rev)
         read[run_id] = _Read(after, None, kept=True)
         self.records.keep(shard, run_id, after)
 
@@ -459,24 +460,6 @@ class Processor:
                 publish=_to_publish(decision, result.code, result.detail), verdict=decision.verdict
             )
         raise RuntimeError(f"run {run_id}: {MAX_CONFLICT_RETRIES} conflicting writes in a row; giving up")
-
-
-def _guarded(decision: Decision, record: dict[str, str]) -> Decision:
-    """A decision made from a kept record, with what makes it safe however stale that record is: the
-    run's revision, or for an arrival (which must commute with the others of its round) its barrier
-    stage's status as well as its fences, so an arrival at a map another process ended meanwhile
-    (timed out, failed) is a conflict, decided again from Redis."""
-    if decision.arrival is None:
-        guard = Expect(RUN, "rev", record.get("rev"))
-    else:
-        stage = decision.arrival.key.name
-        status = field_name(Key("stage", stage), "status")
-        expected = {(e.key, e.field) for e in decision.expects}
-        written = {field_name(w.key, name) for w in decision.writes for name in w.fields}
-        if (Key("stage", stage), "status") in expected or status in written:
-            return decision
-        guard = Expect(Key("stage", stage), "status", record.get(status))
-    return dataclasses.replace(decision, expects=(*decision.expects, guard))
 
 
 @dataclass(frozen=True)
