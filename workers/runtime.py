@@ -133,7 +133,7 @@ class WorkerRuntime:
     _giving_up: bool = False  # consumers cancelled on the way out: waiting deliveries go back
     _slots: asyncio.Semaphore = field(init=False)
     _coalescers: dict[int, AckCoalescer] = field(default_factory=dict)  # per channel: tags count per channel
-    _batchers: dict[int, ResultBatcher] = field(default_factory=dict)  # per publisher
+    _batcher: ResultBatcher | None = None  # the reports of this run's publisher (set by run())
     # the channels of the task queues' consumers, once every one is subscribed (for /readyz)
     _consuming_on: tuple[AbstractChannel, ...] = ()
 
@@ -177,6 +177,7 @@ class WorkerRuntime:
             # up the queue's delivery limit within a second or two, dead-lettering it
             patience_s=REPORT_PATIENCE_S,
         )
+        self._batcher = self._batched(publisher)
         consumers = await self._subscribe(channel, serial_channel, publisher, pool)
         self._consuming_on = (channel, serial_channel)
         log.info(
@@ -373,7 +374,7 @@ class WorkerRuntime:
         faults.crash(self.crash_points, "worker-after-effect")
         result_id = ids.result_id(envelope.message_id)
         try:
-            await self._reports(publisher).send(result, result_id, envelope.shard)
+            await self._reports().send(result, result_id, envelope.shard)
         except aiormq.exceptions.PublishError:
             # The run's shard has no queue (retired, so the run has ended): no retry can deliver it, and
             # requeueing the task would only run it again. The result is parked with the reason.
@@ -471,21 +472,22 @@ class WorkerRuntime:
         what = kind.value
         body = self._reply(task, kind, message_id, {})
         try:
-            await self._reports(publisher).send(body, message_id, task.shard)
+            await self._reports().send(body, message_id, task.shard)
         except Exception as exc:
             log.warning("could not report %s of %s (run %s): %s", what, task.stage, task.run_id, exc)
 
-    def _reports(self, publisher: Publisher) -> ResultBatcher:
+    def _batched(self, publisher: Publisher) -> ResultBatcher:
         """The batcher of ``publisher``'s reports (results, acceptances, heartbeats) to run shards."""
-        reports = self._batchers.get(id(publisher))
-        if reports is None:
 
-            async def publish(message: Outbound) -> None:
-                await self._publish_report(publisher, message)
+        async def publish(message: Outbound) -> None:
+            await self._publish_report(publisher, message)
 
-            reports = ResultBatcher(publish, self.max_message_bytes, enabled=self.batch_results)
-            self._batchers[id(publisher)] = reports
-        return reports
+        return ResultBatcher(publish, self.max_message_bytes, enabled=self.batch_results)
+
+    def _reports(self) -> ResultBatcher:
+        if self._batcher is None:
+            raise RuntimeError("a report before the worker runs: run() makes its publisher")
+        return self._batcher
 
     async def _publish_report(self, publisher: Publisher, message: Outbound) -> None:
         """Publish a report, or a container of several, with the publisher's confirm and retries."""

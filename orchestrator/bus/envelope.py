@@ -103,24 +103,22 @@ class Signer:
 
     def sign(self, envelope: Envelope) -> Envelope:
         unsigned = envelope.model_copy(update={"key_id": self.active, "signature": ""})
-        return unsigned.model_copy(update={"signature": self._mac(self.active, unsigned)})
+        return unsigned.model_copy(update={"signature": self.mac(self.active, canonical(unsigned))})
 
     def signed(self, envelope: Envelope, text: bytes) -> bool:
         """Whether ``text`` is what signed ``envelope``: its signature is the MAC of exactly these bytes."""
-        key = self.keys.get(envelope.key_id)
-        if key is None:
+        if envelope.key_id not in self.keys:
             return False
-        return hmac.compare_digest(hmac.new(key, text, hashlib.sha256).hexdigest(), envelope.signature)
+        return hmac.compare_digest(self.mac(envelope.key_id, text), envelope.signature)
 
     def verify(self, envelope: Envelope) -> None:
         if envelope.key_id not in self.keys:
             raise EnvelopeRejected("unknown-key", f"key id {envelope.key_id!r} is not configured")
-        expected = self._mac(envelope.key_id, envelope)
-        if not hmac.compare_digest(expected, envelope.signature):
+        if not self.signed(envelope, canonical(envelope)):
             raise EnvelopeRejected("bad-signature", f"message {envelope.message_id} has a bad signature")
 
-    def _mac(self, key_id: str, envelope: Envelope) -> str:
-        return hmac.new(self.keys[key_id], canonical(envelope), hashlib.sha256).hexdigest()
+    def mac(self, key_id: str, text: bytes) -> str:
+        return hmac.new(self.keys[key_id], text, hashlib.sha256).hexdigest()
 
 
 _DEFAULTS: dict[str, Any] = {
@@ -139,9 +137,8 @@ def signed_message(signer: Signer, **fields: Any) -> bytes:
     data.pop("signature", None)
     if isinstance(data.get("kind"), Kind):
         data["kind"] = data["kind"].value
-    text = json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    mac = hmac.new(signer.keys[signer.active], text.encode(), hashlib.sha256).hexdigest()
-    return f'{text[:-1]},"signature":"{mac}"}}'.encode()
+    text = json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+    return _with_signature(text, signer.mac(signer.active, text))
 
 
 def encode(envelope: Envelope) -> bytes:
@@ -149,11 +146,16 @@ def encode(envelope: Envelope) -> bytes:
     :func:`signed_message` writes and :func:`decode` verifies without recomputing the canonical text."""
     if not envelope.signature:
         return envelope.model_dump_json().encode()
-    return canonical(envelope)[:-1] + f',"signature":"{envelope.signature}"}}'.encode()
+    return _with_signature(canonical(envelope), envelope.signature)
 
 
 _SIGNATURE_FIELD = b',"signature":"'
 _SIGNED_TAIL = len(_SIGNATURE_FIELD) + 64 + 2  # the field, a SHA-256 MAC in hex, '"}'
+
+
+def _with_signature(text: bytes, mac: str) -> bytes:
+    """The signed text (a JSON object) with its signature appended as the last field; see _signed_text."""
+    return text[:-1] + _SIGNATURE_FIELD + mac.encode() + b'"}'
 
 
 def _signed_text(raw: bytes) -> bytes | None:

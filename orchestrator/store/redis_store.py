@@ -158,26 +158,6 @@ class RedisStore:
             replies = await pipe.execute()
         return [_text(record) if record else None for record in replies]
 
-    async def snapshots(self, shard: str, wanted: list[tuple[str, str | None]]) -> list[RunSnapshot | None]:
-        """Many snapshots in one round trip: ``wanted`` is (run id, map stage to load results of)."""
-        keys = self.keys(shard)
-        async with self.client.pipeline(transaction=False) as pipe:
-            for run_id, map_stage in wanted:
-                pipe.hgetall(keys.run(run_id))
-                if map_stage is not None:
-                    pipe.hgetall(keys.barrier(run_id, map_stage))
-            replies = iter(await pipe.execute())
-        found: list[RunSnapshot | None] = []
-        for _, map_stage in wanted:
-            record = next(replies)
-            members = next(replies) if map_stage is not None else None
-            if not record:
-                found.append(None)
-                continue
-            maps = {map_stage: ordered_items(_text(members))} if map_stage is not None and members else {}
-            found.append(snapshot_from_record(_text(record), maps))
-        return found
-
     async def apply_many(
         self, shard: str, transitions: list[tuple[str, str, Decision, Mapping[str, Any]]], now_ms: int
     ) -> list[ApplyResult]:
@@ -326,14 +306,10 @@ class RedisStore:
         owner = await self.client.get(key)
         return _str(owner) if owner is not None else shard
 
-    async def claim_many(self, run_ids: list[str], shard: str) -> list[str]:
-        """:meth:`claim` for many runs in two round trips at most."""
-        return [owner for owner, _ in await self.claim_fresh(run_ids, shard)]
-
     async def claim_fresh(self, run_ids: list[str], shard: str) -> list[tuple[str, bool]]:
-        """:meth:`claim_many`, saying for each run whether this very call claimed it (``True``: nobody
-        had, so no record of the run can exist but one whose claim expired before it, which creating
-        the run finds all the same)."""
+        """:meth:`claim` for many runs in two round trips at most, saying for each whether this very call
+        claimed it (``True``: nobody had, so no record of the run can exist but one whose claim expired
+        before it, which creating the run finds all the same)."""
         if not run_ids:
             return []
         keys = [index_key(self.prefix, run_id) for run_id in run_ids]
