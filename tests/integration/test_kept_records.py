@@ -27,6 +27,7 @@ from tests.conftest import compile_yaml
 from tests.faults import invariants
 from tests.integration.stack import publish_active
 from tests.integration.test_nudge_race import REDIS_URL, SHARD, SIGNER, SPLIT, report
+from tests.integration.test_store import BAG_TO_JOIN
 from tests.unit.test_engine import compiled
 
 pytestmark = pytest.mark.services
@@ -223,3 +224,54 @@ def test_the_revision_alone_catches_a_write_no_decision_expects() -> None:
             assert r.hget(store.keys(SHARD).run(run), "status") == "completed"
 
     asyncio.run(with_store(main))
+
+
+def test_an_item_decided_from_a_kept_record_does_not_arrive_at_a_map_ended_elsewhere() -> None:
+    """Another process ends a bag under the same fence (an item's last failure, whose route goes on to
+    the join, so the run's intent stays unset). This one still keeps the record in which the bag is
+    running: an item's success decided from it must not count at the bag's barrier."""
+
+    async def main(store: CountingStore, client: aioredis.Redis) -> None:
+        here = Processor(store, lambda: int(time.time() * 1000))
+        elsewhere = Processor(store, lambda: int(time.time() * 1000))
+        plan = compile_yaml(BAG_TO_JOIN)
+        (run,) = await start(store, here, plan, "bag-to-join", [{"modelIds": ["a", "b", "c"]}])
+        entries = [outgoing_from_payload(p) for p in (await store.outbox(SHARD)).values()]
+        await store.mark_sent(SHARD, [m.message_id for m in entries])
+        items = {m.body["item"]: m for m in entries if m.body["stage"] == "bag"}
+        assert here.records.get(SHARD, run) is not None
+        await elsewhere.handle_batch(SHARD, [failure(items[0])])  # the bag fails, for good
+        counter = store.keys(SHARD).run(run)
+        assert await client.hget(counter, "s:bag:status") == "failed"  # type: ignore[misc]
+        members_before = await client.hlen(store.keys(SHARD).barrier(run, "bag"))  # type: ignore[misc]
+        outcome = (await here.handle_batch(SHARD, [report(items[1])]))[0]
+        assert not outcome.publish
+        assert await client.hget(counter, "b:bag") == "3"  # type: ignore[misc]
+        assert await client.hlen(store.keys(SHARD).barrier(run, "bag")) == members_before  # type: ignore[misc]
+        kinds = [e["kind"] for e in await store.history(SHARD, run)]
+        assert kinds[-1] == "callback.rejected", kinds
+        (quick,) = [m for m in entries if m.body["stage"] == "quick"]
+        # the other branch fails the run: the shared checks count a bag's release only on a completed
+        # run, and know nothing of a join that tolerates a failed bag
+        await here.handle_batch(SHARD, [failure(quick)])
+        await deliver_all(here, store, client)
+        with redis.Redis.from_url(REDIS_URL, decode_responses=True) as r:
+            assert r.hget(store.keys(SHARD).run(run), "status") == "failed"
+            violations = invariants.check_runs(r, store.prefix, [run], expect_state="failed", effects=False)
+        invariants.assert_no_violations(violations, "a bag ended elsewhere")
+
+    asyncio.run(with_store(main))
+
+
+def failure(task: Outgoing) -> Envelope:
+    """A worker's report that ``task`` failed in a way no retry mends."""
+    body = task.body
+    fields = {n: body[n] for n in ("run_id", "shard", "stage", "attempt", "fence", "item", "digest")}
+    raw = signed_message(
+        SIGNER,
+        kind=Kind.RESULT,
+        message_id=ids.result_id(task.message_id),
+        body={"ok": False, "error": "boom", "retryable": False},
+        **fields,
+    )
+    return decode(raw, SIGNER, 1_048_576)
