@@ -35,15 +35,8 @@ from orchestrator.governance.lifecycle import NotStartable, State, choose
 from orchestrator.governance.store import DefinitionStore, DigestInfo
 from orchestrator.shard.events import start_body, to_event
 from orchestrator.shard.records import RunRecords
-from orchestrator.store.redis_store import (
-    APPLIED,
-    CONFLICT,
-    DUPLICATE,
-    NO_RUN,
-    ApplyResult,
-    PlanNotFound,
-    RedisStore,
-)
+from orchestrator.store.redis_store import ApplyResult, PlanNotFound, RedisStore
+from orchestrator.store.replies import APPLIED, CONFLICT, DUPLICATE, NO_RUN
 from orchestrator.store.spec import record_after, snapshot_from_record, writes_run
 from orchestrator.trace import TRACE
 

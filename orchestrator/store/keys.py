@@ -7,6 +7,7 @@ by the run id (spreads over the cluster), plans by ``{plans}``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -29,7 +30,17 @@ class ShardKeys:
         return f"{self.tag}:run:{run_id}:applied"
 
     def barrier(self, run_id: str, stage: str) -> str:
+        """A join's hash of arrived branches (and, for a map opened before bags had the two keys below,
+        its item results: such a bag finishes in the form it began)."""
         return f"{self.tag}:run:{run_id}:barrier:{stage}"
+
+    def bag_arrived(self, run_id: str, stage: str) -> str:
+        """A map's bitmap of the items that arrived (bit i: item i), its arrivals' dedupe."""
+        return f"{self.tag}:run:{run_id}:barrier:{stage}:arrived"
+
+    def bag_results(self, run_id: str, stage: str) -> str:
+        """A map's item results in arrival order, each ``<item>:<result JSON>`` (sorted at release)."""
+        return f"{self.tag}:run:{run_id}:barrier:{stage}:results"
 
     def outbox(self) -> str:
         return f"{self.tag}:outbox"
@@ -49,8 +60,9 @@ class ShardKeys:
         definition, a definition version, or one of those in a state). Kept by the transitions."""
         return f"{self.tag}:idx:" + ":".join(parts)
 
-    def transition_keys(self, run_id: str, barriers: list[str]) -> list[str]:
-        """KEYS of every transition function, in the order helpers.lua documents."""
+    def transition_keys(self, run_id: str, barriers: list[str], bags: Sequence[str] = ()) -> list[str]:
+        """KEYS of every transition function, in the order helpers.lua documents: the fixed ones, a hash
+        per barrier, then each bag's (map's) bitmap and results list."""
         fixed = [
             self.run(run_id),
             self.history(run_id),
@@ -60,7 +72,12 @@ class ShardKeys:
             self.timers(),
             self.live(),
         ]
-        return fixed + [self.barrier(run_id, b) for b in barriers]
+        hashes = [self.barrier(run_id, b) for b in barriers]
+        return (
+            fixed
+            + hashes
+            + [k for b in bags for k in (self.bag_arrived(run_id, b), self.bag_results(run_id, b))]
+        )
 
 
 def index_key(prefix: str, run_id: str) -> str:

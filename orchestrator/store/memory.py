@@ -3,7 +3,9 @@
 It lets the engine be exercised without services: property tests deliver messages duplicated, reordered
 and stale, and golden histories replay, against a line-by-line port of ``lua/*.lua``. The Redis store is
 tested against the same scenarios, so the two cannot drift apart unnoticed. The shard's listing indexes
-(``facets.py``) are left out: no transition reads them, so they cannot change a decision.
+(``facets.py``) are left out: no transition reads them, so they cannot change a decision. Bags are kept as
+their members, item -> result: the bitmap and list the Redis store keeps them in are a representation
+of the same membership, read back by ``RedisStore.barrier_members`` in this shape.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from orchestrator.engine.model import Decision, RunSnapshot
+from orchestrator.store.replies import APPLIED, CONFLICT, DUPLICATE, NO_RUN, TIMER_GONE
 from orchestrator.store.spec import (
     FIRST_BARRIER_KEY,
     Spec,
@@ -22,8 +25,6 @@ from orchestrator.store.spec import (
     poison_spec,
     snapshot_from_record,
 )
-
-APPLIED, DUPLICATE, CONFLICT, EXISTS, NO_RUN, TIMER_GONE = 0, 1, 2, 3, 4, 5
 
 
 @dataclass
@@ -93,7 +94,7 @@ class MemoryStore:
             return TIMER_GONE, ""
         if spec.function == "saga_transition" and body["mid"] in run.applied:
             return self._duplicate(run, body, None)
-        for k, member in body.get("absent", []):
+        for k, member, *_ in body.get("absent", []):
             if member in run.barriers.get(names[k], {}):
                 return self._duplicate(run, body, None)
         failed = _check(run.record, body["expects"])
@@ -148,7 +149,7 @@ class MemoryStore:
         sets = body["sets"]
         for i in range(0, len(sets), 2):
             run.record[sets[i]] = sets[i + 1]
-        for k, counter, count, members in body["inits"]:
+        for k, counter, count, members, *_ in body["inits"]:
             run.barriers[names[k]] = dict.fromkeys(members, "")
             run.record[counter] = str(count)
 

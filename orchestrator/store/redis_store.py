@@ -27,11 +27,14 @@ from orchestrator.errors import SagaError
 from orchestrator.store.connect import load_function_library
 from orchestrator.store.facets import changes_status, index_spec
 from orchestrator.store.keys import ShardKeys, index_key, plan_key, refused_key
+from orchestrator.store.replies import APPLIED, Reply
 
 if TYPE_CHECKING:
     from orchestrator.governance.store import DigestInfo
 from orchestrator.store.spec import (
     Spec,
+    bag_members,
+    bag_stages,
     barrier_stages,
     build_spec,
     ordered_items,
@@ -40,7 +43,6 @@ from orchestrator.store.spec import (
 )
 
 LUA_FILES = ("helpers.lua", "create.lua", "transition.lua", "arrive.lua", "mark_sent.lua", "poison.lua")
-APPLIED, DUPLICATE, CONFLICT, EXISTS, NO_RUN, TIMER_GONE = 0, 1, 2, 3, 4, 5
 
 
 class PlanNotFound(SagaError):
@@ -80,7 +82,7 @@ def library_source() -> str:
 
 @dataclass(frozen=True)
 class ApplyResult:
-    code: int
+    code: Reply
     detail: str
     rev: int | None = None  # the run's revision after an applied transition (None: nothing written)
 
@@ -110,15 +112,19 @@ class RedisStore:
         return result
 
     async def _fcall_once(self, spec: Spec, keys: list[str]) -> list[Any]:
-        args = [spec.encode()]
+        return list(await self._function(spec.function, keys, [spec.encode()]))
+
+    async def _function(self, base: str, keys: list[str], args: list[str]) -> Any:
+        """FCALL this release's ``base`` function (every call into the library goes through here but
+        the pipelined ones, which come back here when the library is missing)."""
+        name = function_name(base)
         try:
-            result = await self.client.fcall(function_name(spec.function), len(keys), *keys, *args)  # type: ignore[misc]
+            return await self.client.fcall(name, len(keys), *keys, *args)  # type: ignore[misc]
         except ResponseError as exc:
             if "function not found" not in str(exc).lower():
                 raise
             await self.load_library()  # Redis restarted without persistence: load and try once more
-            result = await self.client.fcall(function_name(spec.function), len(keys), *keys, *args)  # type: ignore[misc]
-        return list(result)
+            return await self.client.fcall(name, len(keys), *keys, *args)  # type: ignore[misc]
 
     # ---- runs --------------------------------------------------------------------------------------
 
@@ -133,21 +139,35 @@ class RedisStore:
             return None
         maps: dict[str, list[Any]] = {}
         if map_stage is not None:
-            members = await self.client.hgetall(keys.barrier(run_id, map_stage))  # type: ignore[misc]
-            maps[map_stage] = ordered_items(_text(members))
+            maps[map_stage] = ordered_items(await self.barrier_members(shard, run_id, map_stage))
         snapshot = snapshot_from_record(_text(record), maps)
         if not members_of:
             return snapshot
         return dataclasses.replace(snapshot, arrivals=await self.arrivals(shard, run_id, members_of))
 
-    async def arrivals(self, shard: str, run_id: str, barriers: tuple[str, ...]) -> dict[str, frozenset[str]]:
-        """The members that arrived at each of ``barriers`` (one round trip)."""
+    async def barrier_members(self, shard: str, run_id: str, stage: str) -> dict[str, str]:
+        """What arrived at a barrier: a join's branches (-> ''), a map's items (index -> result JSON)."""
         keys = self.keys(shard)
         async with self.client.pipeline(transaction=False) as pipe:
-            for barrier in barriers:
-                pipe.hkeys(keys.barrier(run_id, barrier))
+            pipe.hgetall(keys.barrier(run_id, stage))
+            pipe.lrange(keys.bag_results(run_id, stage), 0, -1)
+            in_hash, results = await pipe.execute()
+        return bag_members(_text(in_hash), map(_str, results))
+
+    async def arrivals(self, shard: str, run_id: str, bags: tuple[str, ...]) -> dict[str, frozenset[str]]:
+        """The items that arrived at each of the maps ``bags`` (one round trip). Read from their results
+        lists, not their bitmaps: only a nudge asks, and the lists are text the client can decode."""
+        keys = self.keys(shard)
+        async with self.client.pipeline(transaction=False) as pipe:
+            for bag in bags:
+                pipe.hkeys(keys.barrier(run_id, bag))
+                pipe.lrange(keys.bag_results(run_id, bag), 0, -1)
             replies = await pipe.execute()
-        return {b: frozenset(_str(m) for m in members) for b, members in zip(barriers, replies, strict=True)}
+        found: dict[str, frozenset[str]] = {}
+        for i, bag in enumerate(bags):
+            in_hash, results = replies[2 * i], replies[2 * i + 1]
+            found[bag] = frozenset(bag_members(dict.fromkeys(map(_str, in_hash), ""), map(_str, results)))
+        return found
 
     async def records(self, shard: str, run_ids: list[str]) -> list[dict[str, str] | None]:
         """The run hashes of ``run_ids`` as they are (None: no such run), in one round trip."""
@@ -203,7 +223,7 @@ class RedisStore:
         now_ms: int,
     ) -> tuple[Spec, list[str]]:
         """The spec of one transition and the KEYS it touches."""
-        barriers = barrier_stages(plan)
+        barriers, bags = barrier_stages(plan), bag_stages(plan)
         spec = build_spec(
             decision,
             run_id=run_id,
@@ -211,8 +231,9 @@ class RedisStore:
             now_ms=now_ms,
             barriers=barriers,
             retention_ms=self.retention_ms,
+            bags=bags,
         )
-        keys = self.keys(shard).transition_keys(run_id, barriers)
+        keys = self.keys(shard).transition_keys(run_id, barriers, bags)
         if changes_status(decision):
             spec.body["index"], facets = index_spec(self.keys(shard), run_id, plan, len(keys) + 1)
             keys += facets
@@ -235,7 +256,7 @@ class RedisStore:
             events.append(event)
         return events
 
-    async def poison(self, shard: str, run_id: str, message_id: str, error: str, now_ms: int) -> int:
+    async def poison(self, shard: str, run_id: str, message_id: str, error: str, now_ms: int) -> Reply:
         """Mark the run a poison message names failed (lua/poison.lua); returns the Lua code."""
         spec = poison_spec(message_id, error, now_ms)
         keys = self.keys(shard).transition_keys(run_id, [])
@@ -245,7 +266,7 @@ class RedisStore:
             spec.body["index"], facets = index_spec(self.keys(shard), run_id, plan, len(keys) + 1)
             keys += facets
         code, _ = await self._fcall(spec, keys)
-        return int(code)
+        return Reply(int(code))
 
     # ---- timers ------------------------------------------------------------------------------------
 
@@ -284,15 +305,8 @@ class RedisStore:
     async def mark_sent(self, shard: str, message_ids: list[str]) -> int:
         if not message_ids:
             return 0
-        keys = [self.keys(shard).outbox()]
         started = time.perf_counter()
-        try:
-            marked = int(await self.client.fcall(function_name("saga_mark_sent"), 1, *keys, *message_ids))  # type: ignore[misc]
-        except ResponseError as exc:
-            if "function not found" not in str(exc).lower():
-                raise
-            await self.load_library()
-            marked = int(await self.client.fcall(function_name("saga_mark_sent"), 1, *keys, *message_ids))  # type: ignore[misc]
+        marked = int(await self._function("saga_mark_sent", [self.keys(shard).outbox()], message_ids))
         metrics.lua_call("saga_mark_sent", time.perf_counter() - started)
         return marked
 
@@ -380,7 +394,7 @@ class RedisStore:
 def _result(answer: list[Any]) -> ApplyResult:
     """A transition function's reply: {code, detail} and, when it wrote the run, its new revision."""
     rev = int(answer[2]) if len(answer) > 2 else None
-    return ApplyResult(int(answer[0]), _str(answer[1]), rev)
+    return ApplyResult(Reply(int(answer[0])), _str(answer[1]), rev)
 
 
 def _str(value: Any) -> str:

@@ -2,14 +2,17 @@
 into the engine's snapshot. Pure: both the Redis store and the in-memory model use it.
 
 A run is one flat hash: run fields by name, stage fields as ``s:<stage>:<field>``, barrier counters as
-``b:<stage>``. Barrier members (join branches, map items with their results) live in one hash per
-barrier.
+``b:<stage>``. A join's arrived branches live in one hash per join. A map (a bag) keeps two keys whose
+cost per item does not depend on the bag: a bitmap of the items that arrived (an arrival's dedupe, an
+eighth of a byte per item) and a list of ``<item>:<result>`` entries in arrival order (a few bytes per
+item beside the result itself), sorted into item order when the bag is released. A bag opened before
+that form (a hash of item -> result) finishes in the hash it began with.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +29,7 @@ from orchestrator.engine.model import (
     StageStatus,
 )
 
-FIRST_BARRIER_KEY = 8  # KEYS[8..] are barrier hashes (1-based, as Lua sees them)
+FIRST_BARRIER_KEY = 8  # KEYS[8..] are barrier hashes (1-based, as Lua sees them), then each bag's two keys
 
 
 def field_name(key: Key, name: str) -> str:
@@ -48,6 +51,21 @@ def counter_field(stage: str) -> str:
 def barrier_stages(plan: Mapping[str, Any]) -> list[str]:
     """The stages of a plan that own a barrier hash (joins and maps), in a stable order."""
     return sorted(n for n, s in plan["stages"].items() if s["type"] in ("join", "map"))
+
+
+def bag_stages(plan: Mapping[str, Any]) -> list[str]:
+    """The maps of a plan, in a stable order: each has a bitmap and a results list beside its hash."""
+    return sorted(n for n, s in plan["stages"].items() if s["type"] == "map")
+
+
+def bag_members(in_hash: Mapping[str, str], results: Iterable[str]) -> dict[str, str]:
+    """A map's arrived items (item index -> result JSON), from its hash (a bag opened in that form) and
+    its results list."""
+    members = dict(in_hash)
+    for entry in results:
+        item, _, value = entry.partition(":")
+        members[item] = value
+    return members
 
 
 def outbox_payload(message: Outgoing, run_id: str, at_ms: int) -> str:
@@ -86,8 +104,13 @@ def build_spec(
     now_ms: int,
     barriers: list[str],
     retention_ms: int,
+    bags: Sequence[str] = (),
 ) -> Spec:
+    """``bags``: the maps whose bitmap and results list follow the barrier hashes in KEYS (the Redis
+    store names them all; without them, bags are kept in their hashes, as the in-memory model does)."""
     index = {name: FIRST_BARRIER_KEY + i for i, name in enumerate(barriers)}
+    # a bag's bitmap; its results list is the key after it
+    bag_index = {name: FIRST_BARRIER_KEY + len(barriers) + 2 * i for i, name in enumerate(bags)}
     sets: list[str] = []
     for write in decision.writes:
         for name, value in write.fields.items():
@@ -100,12 +123,16 @@ def build_spec(
         "sets": sets,
         "inits": [
             [index[b.key.name], counter_field(b.key.name), b.count, list(b.members)]
+            + ([[bag_index[b.key.name], bag_index[b.key.name] + 1]] if b.key.name in bag_index else [])
             for b in decision.barriers
         ],
         "outbox": [[m.message_id, outbox_payload(m, run_id, now_ms)] for m in decision.outgoing],
         "history": [history_row(h) for h in decision.history],
         "expire_ms": retention_ms if decision.finished else 0,
-        "absent": [[index[k.name], member] for k, member in decision.absent],
+        "absent": [
+            [index[k.name], member] + ([bag_index[k.name]] if k.name in bag_index else [])
+            for k, member in decision.absent
+        ],
         "timers": [[t.member, t.due_ms] for t in decision.timers],
         "untimers": list(decision.untimers),
         "claim": decision.claim,
@@ -123,6 +150,9 @@ def build_spec(
             "value": a.result or "",
             "release": [a.release.message_id, outbox_payload(a.release, run_id, now_ms)],
         }
+        if a.key.name in bag_index:
+            body["arrival"]["bits"] = bag_index[a.key.name]
+            body["arrival"]["list"] = bag_index[a.key.name] + 1
         body["remember"] = False  # the barrier's membership is an arrival's dedupe
         return Spec("saga_arrive", body)
     return Spec("saga_create" if decision.create else "saga_transition", body)

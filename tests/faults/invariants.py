@@ -29,6 +29,7 @@ import redis
 
 from orchestrator.store.facets import STATUSES, static_facets, status_facets
 from orchestrator.store.keys import ShardKeys, index_key, plan_key
+from orchestrator.store.spec import bag_members
 from workers.demo.effects import demo_key
 
 TERMINAL = ("completed", "failed")
@@ -359,8 +360,17 @@ def _accepted_once(run: RunView) -> list[str]:
     return found
 
 
+def barrier_members(r: redis.Redis, keys: ShardKeys, run_id: str, stage: str) -> dict[str, str]:
+    """What arrived at a barrier, as ``RedisStore.barrier_members`` reads it: a join's branches (-> ''),
+    a map's items (index -> result JSON) from its hash and its results list."""
+    in_hash: dict[str, str] = r.hgetall(keys.barrier(run_id, stage))  # type: ignore[assignment]
+    results: list[str] = r.lrange(keys.bag_results(run_id, stage), 0, -1)  # type: ignore[assignment]
+    return bag_members(in_hash, results)
+
+
 def _barriers(r: redis.Redis, prefix: str, run: RunView) -> list[str]:
-    """A barrier's counter never goes below zero; a released barrier holds exactly its members."""
+    """A barrier's counter never goes below zero; a released barrier holds exactly its members; a bag's
+    bitmap marks exactly the items its results list holds, each once."""
     assert run.shard is not None
     found = []
     keys = ShardKeys(prefix, run.shard)
@@ -374,9 +384,25 @@ def _barriers(r: redis.Redis, prefix: str, run: RunView) -> list[str]:
         if run.record.get(f"s:{name}:status") != "completed":
             continue
         expected = len(stage["required"]) if kind == "join" else int(run.record.get(f"s:{name}:items", "-1"))
-        members = int(r.hlen(keys.barrier(run.run_id, name)))  # type: ignore[arg-type]
+        members = len(barrier_members(r, keys, run.run_id, name))
+        if kind == "map":
+            found += _bag_form(r, keys, run.run_id, name)
         if int(counter) != 0 or members != expected:
             found.append(f"barrier {name} released with counter {counter} and {members}/{expected} members")
+    return found
+
+
+def _bag_form(r: redis.Redis, keys: ShardKeys, run_id: str, stage: str) -> list[str]:
+    """A bag's results list holds one entry per item, and its bitmap marks exactly those items."""
+    results: list[str] = r.lrange(keys.bag_results(run_id, stage), 0, -1)  # type: ignore[assignment]
+    items = [int(entry.partition(":")[0]) for entry in results]
+    marked = int(r.bitcount(keys.bag_arrived(run_id, stage)))  # type: ignore[arg-type]
+    found = []
+    if len(set(items)) != len(items):
+        found.append(f"barrier {stage}: an item's result listed twice ({len(items) - len(set(items))} extra)")
+    unmarked = [i for i in items if not r.getbit(keys.bag_arrived(run_id, stage), i)]
+    if marked != len(set(items)) or unmarked:
+        found.append(f"barrier {stage}: {marked} items marked arrived, {len(set(items))} results listed")
     return found
 
 

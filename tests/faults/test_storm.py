@@ -147,8 +147,8 @@ class Storm:
         stage = report.stage or ""
         if record.get("intent") or record.get("s:" + stage + ":fence") != report.fence:
             return True
-        if report.item is not None and self.stack.redis.hexists(
-            keys.barrier(report.run_id, stage), str(report.item)
+        if report.item is not None and str(report.item) in invariants.barrier_members(
+            self.stack.redis, keys, report.run_id, stage
         ):
             return True
         return record.get("s:" + stage + ":status") not in ("dispatched", "running")
@@ -278,7 +278,7 @@ def storm_violations(stack: Stack, storm: Storm, expected: dict[str, Any]) -> li
         keys = ShardKeys(stack.prefix, run.shard)
         for name, stage in run.plan.get("stages", {}).items():
             if stage.get("type") in ("join", "map"):
-                members: dict[str, str] = stack.redis.hgetall(keys.barrier(run.run_id, name))  # type: ignore[assignment]
+                members = invariants.barrier_members(stack.redis, keys, run.run_id, name)
                 changed += [f"{name}[{m}]" for m, v in members.items() if MARKER in v]
         if changed:
             found.append(f"run {run.run_id}: forged values stored in {changed[:5]}")

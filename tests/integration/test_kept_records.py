@@ -22,7 +22,8 @@ from orchestrator.compiler import CompiledPlan
 from orchestrator.engine import ids
 from orchestrator.engine.model import Outgoing
 from orchestrator.shard.processor import Processor
-from orchestrator.store.redis_store import CONFLICT, ApplyResult, RedisStore
+from orchestrator.store.redis_store import ApplyResult, RedisStore
+from orchestrator.store.replies import CONFLICT
 from tests.conftest import compile_yaml
 from tests.faults import invariants
 from tests.integration.stack import publish_active
@@ -243,11 +244,11 @@ def test_an_item_decided_from_a_kept_record_does_not_arrive_at_a_map_ended_elsew
         await elsewhere.handle_batch(SHARD, [failure(items[0])])  # the bag fails, for good
         counter = store.keys(SHARD).run(run)
         assert await client.hget(counter, "s:bag:status") == "failed"  # type: ignore[misc]
-        members_before = await client.hlen(store.keys(SHARD).barrier(run, "bag"))  # type: ignore[misc]
+        members_before = len(await store.barrier_members(SHARD, run, "bag"))
         outcome = (await here.handle_batch(SHARD, [report(items[1])]))[0]
         assert not outcome.publish
         assert await client.hget(counter, "b:bag") == "3"  # type: ignore[misc]
-        assert await client.hlen(store.keys(SHARD).barrier(run, "bag")) == members_before  # type: ignore[misc]
+        assert len(await store.barrier_members(SHARD, run, "bag")) == members_before
         kinds = [e["kind"] for e in await store.history(SHARD, run)]
         assert kinds[-1] == "callback.rejected", kinds
         (quick,) = [m for m in entries if m.body["stage"] == "quick"]

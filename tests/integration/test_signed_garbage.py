@@ -159,7 +159,7 @@ async def fingerprint(live: Live) -> dict[str, Any]:
         "record": await live.client.hgetall(keys.run(run_id)),
         "applied": await live.client.smembers(keys.applied(run_id)),
         "barriers": {
-            b: await live.client.hgetall(keys.barrier(run_id, b)) for b in barrier_stages(live.plan)
+            b: await live.store.barrier_members(SHARD, run_id, b) for b in barrier_stages(live.plan)
         },
         "timers": await live.client.zrange(keys.timers(), 0, -1, withscores=True),
         "outbox": await live.client.hgetall(keys.outbox()),

@@ -25,14 +25,8 @@ from orchestrator.engine import advance, ids
 from orchestrator.engine.model import BarrierReleased, CancelRun, Decision, Event, StageResult, StartRun
 from orchestrator.store.facets import static_facets, status_facets
 from orchestrator.store.memory import MemoryStore
-from orchestrator.store.redis_store import (
-    APPLIED,
-    CONFLICT,
-    DUPLICATE,
-    LIBRARY_NAME,
-    RedisStore,
-    library_source,
-)
+from orchestrator.store.redis_store import LIBRARY_NAME, RedisStore, library_source
+from orchestrator.store.replies import APPLIED, CONFLICT, DUPLICATE
 from orchestrator.store.spec import barrier_stages
 from tests.conftest import DEFINITIONS, DEMO_REGISTRY, compile_yaml
 from tests.faults import invariants
@@ -111,7 +105,7 @@ async def redis_state(store: RedisStore, run_id: str, plan: Mapping[str, Any]) -
         record=await client.hgetall(keys.run(run_id)),
         history=[(f["kind"], f["stage"], f["attempt"], f["at"], json.loads(f["detail"])) for _, f in rows],
         applied=set(await client.smembers(keys.applied(run_id))),
-        barriers={b: await client.hgetall(keys.barrier(run_id, b)) for b in barrier_stages(plan)},
+        barriers={b: await store.barrier_members(SHARD, run_id, b) for b in barrier_stages(plan)},
         outbox={k: v for k, v in outbox.items() if json.loads(v)["run_id"] == run_id},
         timers={
             m: int(due)
@@ -358,7 +352,7 @@ async def raw_dump(store: RedisStore, run_id: str, plan: Mapping[str, Any]) -> d
         "applied": await client.smembers(keys.applied(run_id)),
         "outbox": await client.hgetall(keys.outbox()),
         "runs": await client.zrange(keys.runs(), 0, -1, withscores=True),
-        "barriers": {b: await client.hgetall(keys.barrier(run_id, b)) for b in barrier_stages(plan)},
+        "barriers": {b: await store.barrier_members(SHARD, run_id, b) for b in barrier_stages(plan)},
     }
 
 
@@ -545,7 +539,7 @@ def test_arrivals_count_distinct_items_and_release_exactly_once_under_concurrenc
         assert [r.detail for r in applied].count("0") == 1
         assert sum(1 for r in results if r.code == DUPLICATE) == 80
         assert await store.client.hget(keys.run("run-bag"), "b:render-all") == "0"
-        assert await store.client.hlen(keys.barrier("run-bag", "render-all")) == items
+        assert len(await store.barrier_members(SHARD, "run-bag", "render-all")) == items
 
         release_id = ids.message_id("release", "run-bag", "render-all", "1.1")
         outbox = await store.outbox(SHARD)
@@ -685,7 +679,8 @@ def test_every_key_the_store_writes_carries_the_shard_hash_tag() -> None:
         expected = {keys.outbox(), keys.runs()}
         for sim in sims:
             expected |= {keys.run(sim.run_id), keys.history(sim.run_id), keys.applied(sim.run_id)}
-        expected |= {keys.barrier("run-tag-1", "derive-join"), keys.barrier("run-tag-2", "render-all")}
+        expected |= {keys.barrier("run-tag-1", "derive-join")}
+        expected |= {keys.bag_arrived("run-tag-2", "render-all"), keys.bag_results("run-tag-2", "render-all")}
         for sim in sims:  # the listing indexes of its definition, its version and its final status
             name, version = sim.plan["name"], sim.plan["version"]
             expected |= {*static_facets(keys, name, version), *status_facets(keys, name, version, sim.status)}

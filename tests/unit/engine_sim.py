@@ -48,7 +48,8 @@ from orchestrator.engine.model import (
     Verdict,
 )
 from orchestrator.engine.sizes import DEFAULT_LIMITS, Limits
-from orchestrator.store.memory import APPLIED, CONFLICT, MemoryStore
+from orchestrator.store.memory import MemoryStore
+from orchestrator.store.replies import APPLIED, CONFLICT
 from orchestrator.store.spec import barrier_stages
 from workers.runtime import Outcome, report_body
 from workers.sdk import Handler, handlers_of

@@ -18,7 +18,7 @@ from orchestrator.engine.model import (
     TimerFired,
     Verdict,
 )
-from orchestrator.store.memory import TIMER_GONE
+from orchestrator.store.replies import TIMER_GONE
 from tests.conftest import compile_yaml
 from tests.unit.engine_sim import Sim, heartbeat, report
 

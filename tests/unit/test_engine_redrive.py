@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from orchestrator.engine.model import CancelRun, Redrive, Verdict
 from orchestrator.engine.sizes import Limits
-from orchestrator.store.memory import DUPLICATE
+from orchestrator.store.replies import DUPLICATE
 from tests.conftest import DEFINITIONS, compile_yaml
 from tests.unit.engine_sim import Sim, report
 from tests.unit.redrive_cases import cases, fail, in_order

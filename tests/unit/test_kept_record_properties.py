@@ -11,7 +11,7 @@ from typing import Any
 from hypothesis import given
 from hypothesis import strategies as st
 
-from orchestrator.store.memory import APPLIED, DUPLICATE
+from orchestrator.store.replies import APPLIED, DUPLICATE
 from orchestrator.store.spec import record_after, writes_run
 from tests.unit.engine_sim import Handled, Sim
 from tests.unit.test_engine_properties import FORMATS, SETTINGS, chaos, new_sim

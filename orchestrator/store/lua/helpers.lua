@@ -9,9 +9,11 @@
 --   KEYS[5] shard run index (sorted set: run id by creation time, for listing runs)
 --   KEYS[6] shard timers    (sorted set: "<run>|<clock>|<stage>|<fence>" by due time in ms)
 --   KEYS[7] shard live runs (hash: plan digest -> runs of it not yet finished)
---   KEYS[8..] the run's barrier hashes (member -> value), named by index in the spec; after them, for a
---           transition that creates its run or changes its status, the shard's listing indexes it
---           touches (sorted sets: run id by creation time), named by index in spec.index
+--   KEYS[8..] the run's barrier hashes (a join's branches; a map opened before bags had the keys below:
+--           item -> result), then each map's bitmap of arrived items and its list of "<item>:<result>",
+--           all named by index in the spec; after them, for a transition that creates its run or changes
+--           its status, the shard's listing indexes it touches (sorted sets: run id by creation time),
+--           named by index in spec.index
 -- ARGV[1] is the transition spec, JSON (see orchestrator/store/redis_store.py, _spec).
 
 local APPLIED, DUPLICATE, CONFLICT, EXISTS, NO_RUN, TIMER_GONE = 0, 1, 2, 3, 4, 5
@@ -34,10 +36,12 @@ local function check_expects(run, expects)
 end
 
 -- Barrier members that must not have arrived (a bag item's failure after its success): any present makes
--- the message a duplicate.
+-- the message a duplicate. m = {hash, member[, bitmap]}: a bag's item is in its bitmap, or in its hash
+-- for a bag opened in that form.
 local function any_present(keys, absent)
   for _, m in ipairs(absent) do
     if redis.call('HEXISTS', keys[m[1]], m[2]) == 1 then return true end
+    if m[3] and redis.call('GETBIT', keys[m[3]], tonumber(m[2])) == 1 then return true end
   end
   return false
 end
@@ -62,8 +66,10 @@ local function apply_writes(keys, spec)
     redis.call('HSET', keys[1], unpack(spec.sets))
   end
   for _, b in ipairs(spec.inits) do
-    -- a barrier (re)opened: cleared, its early members added (value ''), its counter set
+    -- a barrier (re)opened: cleared (a bag's bitmap and results too), its early members added (value
+    -- ''), its counter set
     redis.call('DEL', keys[b[1]])
+    if b[5] then redis.call('DEL', keys[b[5][1]], keys[b[5][2]]) end
     redis.call('HSET', keys[1], b[2], b[3])
     for _, member in ipairs(b[4]) do
       redis.call('HSET', keys[b[1]], member, '')

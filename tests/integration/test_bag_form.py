@@ -1,0 +1,152 @@
+"""A bag's (map's) bookkeeping on the real Redis: a bitmap of arrived items and a list of their results,
+whose cost per item does not grow with the bag; and a bag opened in the hash form of earlier versions
+finishing in it, each item still counted once.
+
+Uses the store test's helpers: a key prefix of its own per test, deleted afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import pytest
+
+from orchestrator.engine import advance
+from orchestrator.engine.model import BarrierReleased
+from orchestrator.store.redis_store import RedisStore, function_name
+from orchestrator.store.replies import APPLIED, DUPLICATE
+from orchestrator.store.spec import barrier_stages, build_spec
+from tests.integration.test_store import NOW, SHARD, redis_apply, started, task_result, with_store
+
+pytestmark = pytest.mark.services
+
+BOOKKEEPING_LIMIT = 64  # bytes of Redis per bag item while the run is live, results not counted
+
+
+async def bag_tasks(store: RedisStore) -> list[dict[str, Any]]:
+    """The bag's item tasks from the outbox, in item order; the outbox then marked sent (as the shard
+    does once the broker confirmed them)."""
+    outbox = await store.outbox(SHARD)
+    tasks = sorted(outbox.values(), key=lambda t: t["body"]["item"])
+    await store.mark_sent(SHARD, list(outbox))
+    return tasks
+
+
+async def memory_usage(store: RedisStore, key: str) -> int:
+    used = await store.client.memory_usage(key, samples=0)
+    return int(used or 0)
+
+
+@pytest.mark.parametrize("width", [1_000, 10_000])
+def test_a_live_bag_keeps_at_most_64_bytes_of_bookkeeping_per_item(width: int) -> None:
+    async def test(store: RedisStore) -> None:
+        # Given a started bag of `width` items
+        run_id = f"run-bag-{width}"
+        plan = await started(store, "thumbnail-batch", {"modelIds": [f"m-{i}" for i in range(width)]}, run_id)
+        keys = store.keys(SHARD)
+        tasks = await bag_tasks(store)
+        assert len(tasks) == width
+        read = await store.snapshot(SHARD, run_id)
+        run_before = await memory_usage(store, keys.run(run_id))
+        applied_before = await store.client.scard(keys.applied(run_id))  # type: ignore[misc]
+
+        # When every item but the last arrives (the run is still live, the bag not released)
+        payload = 0
+        for task in tasks[:-1]:
+            event = task_result(task)
+            decision = advance(plan.plan, plan.digest, read, event, NOW)
+            assert decision.arrival is not None and decision.arrival.result is not None
+            payload += len(decision.arrival.result.encode())
+            result = await store.apply(SHARD, run_id, event.message_id, decision, plan.plan, NOW)
+            assert result.code == APPLIED
+
+        # Then the bag's keys cost at most 64 bytes per arrived item beside the results themselves
+        bag_keys = (keys.bag_arrived(run_id, "render-all"), keys.bag_results(run_id, "render-all"))
+        bag = sum([await memory_usage(store, key) for key in bag_keys])
+        arrived = width - 1
+        per_item = (bag - payload) / arrived
+        assert per_item <= BOOKKEEPING_LIMIT, (bag, payload, per_item)
+        # and nothing per item went anywhere else: no hash of members, the run hash as it was (its
+        # counter and revision change in place), no applied ids, no history entries
+        assert not await store.client.exists(keys.barrier(run_id, "render-all"))
+        assert await memory_usage(store, keys.run(run_id)) - run_before < BOOKKEEPING_LIMIT
+        assert await store.client.scard(keys.applied(run_id)) == applied_before  # type: ignore[misc]
+        kinds = [e["kind"] for e in await store.history(SHARD, run_id)]
+        assert "callback.rejected" not in kinds and len(kinds) < 10, kinds
+        print(f"W={width}: {bag} B of bag keys, {payload} B of results, {per_item:.1f} B/item bookkeeping")
+
+        # And the last item releases the bag once, with every result in item order
+        last = task_result(tasks[-1])
+        done = await store.apply(
+            SHARD, run_id, last.message_id, advance(plan.plan, plan.digest, read, last, NOW), plan.plan, NOW
+        )
+        assert (done.code, done.detail) == (APPLIED, "0")
+        released = await store.snapshot(SHARD, run_id, "render-all")
+        assert released is not None
+        assert released.map_results["render-all"] == [task_result(t).result for t in tasks]
+
+    with_store(test)
+
+
+async def arrive_in_hash(
+    store: RedisStore, plan: Mapping[str, Any], run_id: str, task: Mapping[str, Any], read: Any
+) -> int:
+    """An arrival as a process of the previous version applied it: its spec names no bag keys, so the
+    item goes into the barrier's hash."""
+    event = task_result(task)
+    decision = advance(plan, read.digest, read, event, NOW)
+    barriers = barrier_stages(plan)
+    spec = build_spec(
+        decision, run_id=run_id, message_id=event.message_id, now_ms=NOW, barriers=barriers, retention_ms=0
+    )
+    keys = store.keys(SHARD).transition_keys(run_id, barriers)
+    reply = await store.client.fcall(function_name(spec.function), len(keys), *keys, spec.encode())  # type: ignore[misc]
+    return int(reply[0])
+
+
+def test_a_bag_opened_in_its_hash_finishes_there_each_item_counted_once() -> None:
+    async def test(store: RedisStore) -> None:
+        # Given a bag of 6 whose first 3 items arrived in the barrier's hash (the earlier form)
+        run_id = "run-bag-hash"
+        plan = await started(store, "thumbnail-batch", {"modelIds": [f"m-{i}" for i in range(6)]}, run_id)
+        keys = store.keys(SHARD)
+        tasks = await bag_tasks(store)
+        read = await store.snapshot(SHARD, run_id)
+        for task in tasks[:3]:
+            assert await arrive_in_hash(store, plan.plan, run_id, task, read) == APPLIED
+        assert await store.client.hlen(keys.barrier(run_id, "render-all")) == 3
+
+        # When this version's arrivals come: a duplicate of an item already in the hash, then the rest
+        async def arrive(task: Mapping[str, Any]) -> tuple[int, str]:
+            event = task_result(task)
+            decision = advance(plan.plan, plan.digest, read, event, NOW)
+            result = await store.apply(SHARD, run_id, event.message_id, decision, plan.plan, NOW)
+            return result.code, result.detail
+
+        assert (await arrive(tasks[1]))[0] == DUPLICATE
+        outcomes = [await arrive(task) for task in tasks[3:]]
+
+        # Then they join the hash (the bag finishes in the form it began), each counted once
+        assert outcomes == [(APPLIED, "2"), (APPLIED, "1"), (APPLIED, "0")]
+        assert await store.client.hlen(keys.barrier(run_id, "render-all")) == 6
+        assert not await store.client.exists(keys.bag_arrived(run_id, "render-all"))
+        assert not await store.client.exists(keys.bag_results(run_id, "render-all"))
+        # and the release reads every result in item order, exactly once
+        outbox = [json.loads(v) for v in (await store.client.hgetall(keys.outbox())).values()]
+        assert [m["kind"] for m in outbox] == ["barrier.released"]
+        code, _, _ = await redis_apply(store, plan.plan, plan.digest, run_id, release(outbox[0]), NOW)
+        assert code == APPLIED
+        final = await store.snapshot(SHARD, run_id)
+        assert final is not None and final.stages["render-all"].result == [
+            task_result(t).result for t in tasks
+        ]
+
+    with_store(test)
+
+
+def release(message: Mapping[str, Any]) -> BarrierReleased:
+    """The release an arrival put in the outbox, as the shard receives it."""
+    body = message["body"]
+    return BarrierReleased(message["id"], body["stage"], body["fence"])
