@@ -40,6 +40,8 @@ def cpu_seconds(pid: int) -> float:
 
 
 SERVICES = {"beam.smp": "rabbitmq", "redis-server": "redis"}
+# the size of a key of each type, for describing a stuck run (a bag's bitmap is a string, its results a list)
+SIZE_COMMANDS = {"hash": "hlen", "stream": "xlen", "set": "scard", "list": "llen", "string": "strlen"}
 
 
 def service_pids() -> dict[str, list[int]]:
@@ -137,9 +139,8 @@ class BenchStack(Stack):
         lines += [f"  {k} = {v[:160]}" for k, v in sorted(record.items())[:fields]]
         for key in sorted(self.redis.scan_iter(match=f"{base}:*", count=1000)):
             kind = self.redis.type(key)
-            size = {"hash": self.redis.hlen, "stream": self.redis.xlen, "set": self.redis.scard}.get(
-                str(kind), lambda _k: "?"
-            )(key)
+            command = SIZE_COMMANDS.get(str(kind))
+            size = getattr(self.redis, command)(key) if command else "?"
             lines.append(f"  key {key[len(base) :]}: {kind} of {size}")
         last: list[tuple[str, dict[str, str]]] = self.redis.xrevrange(f"{base}:history", count=events)  # type: ignore[assignment]
         for entry_id, entry in reversed(last):

@@ -155,19 +155,24 @@ class RedisStore:
         return bag_members(_text(in_hash), map(_str, results))
 
     async def arrivals(self, shard: str, run_id: str, bags: tuple[str, ...]) -> dict[str, frozenset[str]]:
-        """The items that arrived at each of the maps ``bags`` (one round trip). Read from their results
-        lists, not their bitmaps: only a nudge asks, and the lists are text the client can decode."""
+        """The items that arrived at each of the maps ``bags``: their bitmaps' set bits, and the items of
+        a bag kept in its hash. Two round trips (the bitmaps' lengths, then their bytes as integers: the
+        client decodes replies as text, which a bitmap is not)."""
         keys = self.keys(shard)
         async with self.client.pipeline(transaction=False) as pipe:
             for bag in bags:
                 pipe.hkeys(keys.barrier(run_id, bag))
-                pipe.lrange(keys.bag_results(run_id, bag), 0, -1)
+                pipe.strlen(keys.bag_arrived(run_id, bag))
             replies = await pipe.execute()
-        found: dict[str, frozenset[str]] = {}
-        for i, bag in enumerate(bags):
-            in_hash, results = replies[2 * i], replies[2 * i + 1]
-            found[bag] = frozenset(bag_members(dict.fromkeys(map(_str, in_hash), ""), map(_str, results)))
-        return found
+        async with self.client.pipeline(transaction=False) as pipe:
+            for i, bag in enumerate(bags):
+                reads = [arg for byte in range(int(replies[2 * i + 1])) for arg in ("GET", "u8", f"#{byte}")]
+                pipe.execute_command("BITFIELD_RO", keys.bag_arrived(run_id, bag), *reads)
+            bitmaps = await pipe.execute()
+        return {
+            bag: frozenset(map(_str, replies[2 * i])) | set_bits(bitmaps[i] or [])
+            for i, bag in enumerate(bags)
+        }
 
     async def records(self, shard: str, run_ids: list[str]) -> list[dict[str, str] | None]:
         """The run hashes of ``run_ids`` as they are (None: no such run), in one round trip."""
@@ -389,6 +394,18 @@ class RedisStore:
             pipe.hset(key, mapping=fields)
             pipe.pexpire(key, self.retention_ms)
             await pipe.execute()
+
+
+def set_bits(octets: list[int]) -> frozenset[str]:
+    """The indices of the set bits of a bitmap read as unsigned bytes (Redis numbers bits from the
+    most significant bit of the first byte)."""
+    return frozenset(
+        str(8 * i + bit)
+        for i, octet in enumerate(octets)
+        if octet
+        for bit in range(8)
+        if octet & (0x80 >> bit)
+    )
 
 
 def _result(answer: list[Any]) -> ApplyResult:

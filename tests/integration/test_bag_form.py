@@ -76,6 +76,9 @@ def test_a_live_bag_keeps_at_most_64_bytes_of_bookkeeping_per_item(width: int) -
         kinds = [e["kind"] for e in await store.history(SHARD, run_id)]
         assert "callback.rejected" not in kinds and len(kinds) < 10, kinds
         print(f"W={width}: {bag} B of bag keys, {payload} B of results, {per_item:.1f} B/item bookkeeping")
+        # and a nudge reads from the bitmap which items arrived
+        arrived_items = frozenset(str(i) for i in range(width - 1))
+        assert await store.arrivals(SHARD, run_id, ("render-all",)) == {"render-all": arrived_items}
 
         # And the last item releases the bag once, with every result in item order
         last = task_result(tasks[-1])
@@ -117,6 +120,7 @@ def test_a_bag_opened_in_its_hash_finishes_there_each_item_counted_once() -> Non
         for task in tasks[:3]:
             assert await arrive_in_hash(store, plan.plan, run_id, task, read) == APPLIED
         assert await store.client.hlen(keys.barrier(run_id, "render-all")) == 3
+        assert await store.arrivals(SHARD, run_id, ("render-all",)) == {"render-all": frozenset("012")}
 
         # When this version's arrivals come: a duplicate of an item already in the hash, then the rest
         async def arrive(task: Mapping[str, Any]) -> tuple[int, str]:
@@ -142,6 +146,42 @@ def test_a_bag_opened_in_its_hash_finishes_there_each_item_counted_once() -> Non
         assert final is not None and final.stages["render-all"].result == [
             task_result(t).result for t in tasks
         ]
+
+    with_store(test)
+
+
+def test_a_bag_in_both_forms_counts_each_item_once_and_releases_every_result() -> None:
+    """A process of the previous version arriving at a bag this version opened (both running for a
+    moment) creates its hash beside the bitmap: an item in either form is a duplicate in the other."""
+
+    async def test(store: RedisStore) -> None:
+        # Given a bag of 6 whose items 0-2 arrived in the bitmap, then item 3 in a new hash
+        run_id = "run-bag-both"
+        plan = await started(store, "thumbnail-batch", {"modelIds": [f"m-{i}" for i in range(6)]}, run_id)
+        keys = store.keys(SHARD)
+        tasks = await bag_tasks(store)
+        read = await store.snapshot(SHARD, run_id)
+
+        async def arrive(task: Mapping[str, Any]) -> tuple[int, str]:
+            event = task_result(task)
+            decision = advance(plan.plan, plan.digest, read, event, NOW)
+            result = await store.apply(SHARD, run_id, event.message_id, decision, plan.plan, NOW)
+            return result.code, result.detail
+
+        assert [await arrive(t) for t in tasks[:3]] == [(APPLIED, "5"), (APPLIED, "4"), (APPLIED, "3")]
+        assert await arrive_in_hash(store, plan.plan, run_id, tasks[3], read) == APPLIED
+
+        # When items of either form come again, and the rest arrive
+        assert (await arrive(tasks[1]))[0] == DUPLICATE
+        assert (await arrive(tasks[3]))[0] == DUPLICATE
+        assert [await arrive(t) for t in tasks[4:]] == [(APPLIED, "1"), (APPLIED, "0")]
+
+        # Then the arrivals read both forms, and the release every result in item order
+        assert await store.arrivals(SHARD, run_id, ("render-all",)) == {"render-all": frozenset("012345")}
+        assert await store.client.hget(keys.run(run_id), "b:render-all") == "0"
+        released = await store.snapshot(SHARD, run_id, "render-all")
+        assert released is not None
+        assert released.map_results["render-all"] == [task_result(t).result for t in tasks]
 
     with_store(test)
 

@@ -2,12 +2,11 @@
 -- KEYS: the common layout (helpers.lua); KEYS[spec.arrival.k] is the barrier hash, and for a map item
 -- KEYS[spec.arrival.bits] its bag's bitmap and KEYS[spec.arrival.list] its results list.
 -- Arrivals commute: they check the barrier's own stage fence and the run intent (spec.expects), never a
--- run version, and cost O(1) whatever the size of the bag. A member counts once: its bit in the bag's
--- bitmap (SETBIT answers the bit as it was), or HEXISTS on the barrier hash for a join and for a bag
--- opened before bags had a bitmap (it finishes in its hash). An item's result is appended to the bag's
--- list; the release sorts them. The counter lives in the run hash; the arrival that takes it to 0
--- appends the release message (a deterministic id) to the outbox, so the successor is released exactly
--- once.
+-- run version, and cost O(1) whatever the size of the bag. A member counts once: HEXISTS on the
+-- barrier hash (a join's branches; a bag opened before bags had a bitmap keeps its items there and
+-- finishes there), and for a bag its bit in the bitmap. A bag's item result is appended to its list;
+-- the release sorts them. The counter lives in the run hash; the arrival that takes it to 0 appends the
+-- release message (a deterministic id) to the outbox, so the successor is released exactly once.
 -- The rest of the transition is checked and applied as saga_transition does it (a timer it claims,
 -- members that must be absent, expectations; timers it sets or clears, messages it causes, fields it
 -- writes): the arrival is one more effect, not a shortcut. Only the applied-id set is not consulted.
@@ -31,18 +30,19 @@ local function saga_arrive(keys, args)
   if failed then
     return {CONFLICT, failed}
   end
+  -- A bag's item is looked for in both forms; it is added to the hash while the hash exists, so that
+  -- a bag finishes in the form it began.
   local in_hash = is_null(a.bits) or redis.call('EXISTS', keys[a.k]) == 1
-  if in_hash then
-    if redis.call('HEXISTS', keys[a.k], a.member) == 1 then
-      return record_duplicate(keys, spec, a.stage)
-    end
-  elseif redis.call('SETBIT', keys[a.bits], tonumber(a.member), 1) == 1 then
+  if redis.call('HEXISTS', keys[a.k], a.member) == 1
+    or (not is_null(a.bits) and redis.call('GETBIT', keys[a.bits], tonumber(a.member)) == 1) then
     return record_duplicate(keys, spec, a.stage)
   end
+  -- checks done: the writes follow (nothing before this line wrote anything)
   local rev = apply_all(keys, spec)
   if in_hash then
     redis.call('HSET', keys[a.k], a.member, a.value)
   else
+    redis.call('SETBIT', keys[a.bits], tonumber(a.member), 1)
     redis.call('RPUSH', keys[a.list], a.member .. ':' .. a.value)
   end
   local remaining = redis.call('HINCRBY', keys[1], a.counter, -1)
