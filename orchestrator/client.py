@@ -24,7 +24,7 @@ import pika.exceptions
 from pika.adapters.blocking_connection import BlockingChannel
 
 from orchestrator.bus.connect import blocking_parameters, connect_robust, untracked_channel
-from orchestrator.bus.envelope import Envelope, Kind, Signer, encode
+from orchestrator.bus.envelope import Envelope, Signer, encode
 from orchestrator.bus.publisher import PUBLISH_ATTEMPTS, Publisher
 from orchestrator.engine.door import start_problems
 from orchestrator.engine.model import TERMINAL_RUN_STATUSES, RunSnapshot, RunStatus
@@ -37,6 +37,8 @@ from orchestrator.store.connect import REDIS_ERRORS, sync_client
 from orchestrator.store.keys import ShardKeys, index_key, plan_key, refused_key
 from orchestrator.store.keys import idempotency_key as claim_key
 from orchestrator.store.spec import snapshot_from_record
+from orchestrator.wire import bodies
+from orchestrator.wire.kinds import Kind
 
 RUN_NAMESPACE = uuid.UUID("6f1d2c3e-5a4b-4c8d-9e7f-0a1b2c3d4e5f")
 
@@ -260,7 +262,7 @@ def start_envelope(
             digest=digest,
             tenant=tenant,
             issued_at_ms=int(time.time() * 1000),
-            body={"definition": definition, "digest": digest, "context": dict(context)},
+            body=bodies.start(definition, digest, context),
         )
     )
 
@@ -617,7 +619,7 @@ class Client:
                 run_id=run_id,
                 shard=str(shard),
                 issued_at_ms=int(time.time() * 1000),
-                body={"reason": reason, "requested_by": requested_by, **extra},
+                body=bodies.request(reason, requested_by, **extra),
             )
         )
         await self._publish(envelope, self.settings.names().runs_exchange, str(shard))

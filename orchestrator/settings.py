@@ -13,7 +13,7 @@ from orchestrator.bus.names import NAMESPACE_PATTERN, Names
 from orchestrator.compiler.limits import AdmissionLimits
 from orchestrator.dsl.expressions import ExpressionLimits
 from orchestrator.dsl.yaml_source import YamlLimits
-from orchestrator.engine.sizes import Limits
+from orchestrator.wire.sizes import Limits
 
 DEFAULT_CONTRACT_MODULES = ("workers.demo",)
 #: The signing key every fresh checkout shares: fine on a laptop, a forgery licence anywhere else, so

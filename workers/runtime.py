@@ -52,13 +52,15 @@ from pydantic import BaseModel, ValidationError
 from orchestrator import faults, logs, metrics
 from orchestrator.bus import batch
 from orchestrator.bus.connect import untracked_channel
-from orchestrator.bus.envelope import Envelope, EnvelopeRejected, Kind, Signer, decode, signed_message
+from orchestrator.bus.envelope import Envelope, EnvelopeRejected, Signer, decode, signed_message
 from orchestrator.bus.names import SERIAL_TASKS, Names
 from orchestrator.bus.publisher import Publisher
 from orchestrator.bus.topology import TaskQueueLayout, declare_task_queue
-from orchestrator.engine import ids, sizes
 from orchestrator.store.worker_registry import Presence, WorkerInfo
 from orchestrator.trace import TRACE
+from orchestrator.wire import bodies, ids, sizes
+from orchestrator.wire.bodies import TaskBody
+from orchestrator.wire.kinds import Kind
 from workers.acks import AckCoalescer
 from workers.results import Outbound, ResultBatcher
 from workers.sdk import Handler, PermanentFailure
@@ -436,11 +438,11 @@ class WorkerRuntime:
     async def _run(
         self, publisher: Publisher, envelope: Envelope, pool: ThreadPoolExecutor, turn: Turn
     ) -> Outcome:
-        report = envelope.body.get("report") or {}
-        if report.get("accept"):
+        task = TaskBody.of(envelope.body, envelope.message_id)
+        if task.accept:
             accepted = ids.acceptance_id(envelope.run_id, envelope.stage or "", envelope.fence or "")
             await self._report(publisher, envelope, Kind.ACCEPTED, accepted)
-        beating = self._heartbeats(publisher, envelope, report.get("heartbeat_ms"))
+        beating = self._heartbeats(publisher, envelope, task.heartbeat_ms)
         started = time.perf_counter()
         try:
             with TRACE.span("handler", [envelope.message_id]):
@@ -453,9 +455,9 @@ class WorkerRuntime:
         return outcome
 
     def _heartbeats(
-        self, publisher: Publisher, envelope: Envelope, every_ms: Any
+        self, publisher: Publisher, envelope: Envelope, every_ms: int | None
     ) -> asyncio.Task[None] | None:
-        if not isinstance(every_ms, int) or every_ms <= 0:
+        if every_ms is None:
             return None
 
         async def beat() -> None:
@@ -514,8 +516,9 @@ class WorkerRuntime:
         cancelled thread-pool handler may be after this returns the cancelled outcome."""
         try:
             handler = self.handlers[envelope.contract or ""]  # _handle refused any other contract
+            task = TaskBody.of(envelope.body, envelope.message_id)
             try:
-                payload = handler.input_model.model_validate(envelope.body.get("input"))
+                payload = handler.input_model.model_validate(task.input)
             except ValidationError as exc:
                 raise TaskFailed(
                     f"input does not fit {envelope.contract}: {exc.errors(include_url=False)}"
@@ -527,7 +530,7 @@ class WorkerRuntime:
                 envelope.item,
                 envelope.fence or "",
                 envelope.contract or "",
-                str(envelope.body.get("idempotency_key", envelope.message_id)),
+                task.idempotency_key,
             )
             output = await self._run_cancellable(envelope, handler, payload, context, pool, turn)
             try:
@@ -570,7 +573,13 @@ class WorkerRuntime:
                 self._running.pop(key, None)
 
     def _result(self, task: Envelope, outcome: Outcome) -> bytes:
-        body = report_body(outcome, sizes.Limits(self.max_message_bytes))
+        body = bodies.result(
+            outcome.ok,
+            outcome.value,
+            sizes.Limits(self.max_message_bytes),
+            retryable=outcome.retryable,
+            cancelled=outcome.cancelled,
+        )
         return self._reply(task, Kind.RESULT, ids.result_id(task.message_id), body)
 
     def _reply(self, task: Envelope, kind: Kind, message_id: str, body: dict[str, Any]) -> bytes:
@@ -636,22 +645,6 @@ class Outcome:
     value: Any
     retryable: bool = True
     cancelled: bool = False
-
-
-def report_body(outcome: Outcome, limits: sizes.Limits) -> dict[str, Any]:
-    """The body of the report of ``outcome``. A result too large for a message, or not valid JSON (NaN),
-    is reported as a failure that says so (sent as it is, the shard would refuse it unread and the
-    attempt would wait for its deadline, or for ever); an error text is cut to a bounded length."""
-    if outcome.ok:
-        body = {"ok": True, "result": outcome.value}
-        problem = sizes.too_big(body, limits)
-        if problem is None:
-            return body
-        return {"ok": False, "error": f"the result cannot be sent: {problem}", "retryable": False}
-    failure = {"ok": False, "error": sizes.bounded(str(outcome.value)), "retryable": outcome.retryable}
-    if outcome.cancelled:
-        failure["cancelled"] = True
-    return failure
 
 
 class _Cancelled(Exception):

@@ -15,26 +15,12 @@ import hmac
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
-from enum import StrEnum
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from orchestrator.errors import SagaError
-
-
-class Kind(StrEnum):
-    START = "start"  # service -> shard: create a run
-    TASK = "task"  # shard -> worker: run one attempt of a stage (or one map item, or a finaliser)
-    RESULT = "result"  # worker -> shard: the attempt's outcome
-    RELEASE = "barrier.released"  # shard -> shard: a join or map barrier released its successor
-    FINISHED = "run.finished"  # shard -> saga.events: the run reached completed or failed
-    CANCEL = "cancel"  # shard -> saga.events: cooperative cancellation of an attempt
-    ACCEPTED = "accepted"  # worker -> shard: an attempt with deadlines started (stops its queue clock)
-    HEARTBEAT = "heartbeat"  # worker -> shard: the attempt's handler is alive
-    CANCEL_RUN = "cancel.run"  # service or operator -> shard: cancel the whole run
-    REDRIVE = "redrive"  # operator -> shard: resume a failed run in a new epoch
-
+from orchestrator.wire.kinds import Kind
 
 # Identity fields travel as AMQP properties and routing keys (short strings of at most 255 bytes) and
 # inside Redis keys and timer members, so their alphabet and length are bounded here, where every

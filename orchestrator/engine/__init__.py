@@ -30,7 +30,7 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from orchestrator.engine import door, ids, liveness, nudge, outputs, redrive, sizes
+from orchestrator.engine import door, liveness, nudge, outputs, redrive
 from orchestrator.engine.builder import dumps, rejected, stage_contract
 from orchestrator.engine.model import (
     ACTIVE_STAGE_STATUSES,
@@ -61,6 +61,7 @@ from orchestrator.engine.model import (
 )
 from orchestrator.engine.step import WORK_STAGE_TYPES, Step
 from orchestrator.versions import ENGINE_VERSION
+from orchestrator.wire import ids, sizes
 
 __all__ = ["advance"]
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from orchestrator.dsl.binding import bind, validator_for
 from orchestrator.dsl.fastcheck import certainly_fits
-from orchestrator.engine import clocks, ids, sizes
+from orchestrator.engine import clocks
 from orchestrator.engine.model import (
     RUN,
     Arrival,
@@ -33,6 +33,8 @@ from orchestrator.engine.model import (
     Verdict,
     Write,
 )
+from orchestrator.wire import bodies, ids, sizes
+from orchestrator.wire.kinds import Kind
 
 
 def dumps(value: Any) -> str:
@@ -204,22 +206,21 @@ class Builder:
         ``id_parts``, so building it again (a relay, a nudge) gives the same message, and it is the
         idempotency key."""
         message_id = ids.task_id(self.run.run_id, label, fence, *id_parts)
-        body = {
-            "run_id": self.run.run_id,
-            "shard": self.run.shard,
-            "stage": label,
-            "attempt": attempt,
-            "fence": fence,
-            "item": item,
-            "contract": ref,
-            "digest": self.digest,
-            "tenant": self.run.tenant,
-            "input": payload,
-            "idempotency_key": message_id,
-        }
-        if report is not None:
-            body["report"] = report
-        return Outgoing(message_id, "task", ("task", queue), body)
+        body = bodies.task(
+            run_id=self.run.run_id,
+            shard=self.run.shard,
+            stage=label,
+            attempt=attempt,
+            fence=fence,
+            item=item,
+            contract=ref,
+            digest=self.digest,
+            tenant=self.run.tenant,
+            payload=payload,
+            idempotency_key=message_id,
+            report=report,
+        )
+        return Outgoing(message_id, Kind.TASK, ("task", queue), body)
 
     def send_or_why(self, message: Outgoing) -> str | None:
         """Send ``message`` if its reader can take it (it fits ``limits``); else say why it cannot."""
@@ -232,9 +233,9 @@ class Builder:
         """The continuation a join or map barrier sends itself, once, when its last member arrives."""
         return Outgoing(
             ids.release_id(self.run.run_id, barrier, fence),
-            "barrier.released",
+            Kind.RELEASE,
             ("shard", self.run.shard),
-            {"run_id": self.run.run_id, "stage": barrier, "fence": fence},
+            bodies.attempt(self.run.run_id, barrier, fence),
         )
 
     def request_cancel(self, name: str, fence: str, cause: str = "") -> None:
@@ -244,9 +245,9 @@ class Builder:
         self.outgoing.append(
             Outgoing(
                 ids.message_id("cancel", self.run.run_id, name, fence, cause),
-                "cancel",
+                Kind.CANCEL,
                 ("events", f"cancel.{self.run.run_id}"),
-                {"run_id": self.run.run_id, "stage": name, "fence": fence},
+                bodies.attempt(self.run.run_id, name, fence),
             )
         )
 

@@ -21,11 +21,11 @@ from typing import Any
 
 from orchestrator.dsl.binding import bind, evaluate
 from orchestrator.dsl.expressions import references, tokenize
-from orchestrator.engine import ids, sizes
 from orchestrator.engine.builder import context_problems
 from orchestrator.engine.model import RunSnapshot, RunStatus
 from orchestrator.engine.step import WORK_STAGE_TYPES, Step
 from orchestrator.errors import BindingError
+from orchestrator.wire import ids, sizes
 
 __all__ = ["context_problems", "start_problems"]
 

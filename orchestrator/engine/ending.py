@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 
 from orchestrator.dsl.binding import bind
-from orchestrator.engine import ids, sizes
 from orchestrator.engine.builder import Builder, dumps
 from orchestrator.engine.model import (
     ACTIVE_STAGE_STATUSES,
@@ -22,6 +21,8 @@ from orchestrator.engine.model import (
     StageStatus,
 )
 from orchestrator.errors import BindingError
+from orchestrator.wire import bodies, ids, sizes
+from orchestrator.wire.kinds import Kind
 
 CANCELLABLE = ACTIVE_STAGE_STATUSES | {StageStatus.RETRY_SCHEDULED}
 
@@ -166,13 +167,10 @@ class Ending(Builder):
         if self.plan.get("run_deadline_ms"):
             self.clear_timer(Clock.RUN, "", ids.run_fence(self.run.epoch))
         written = self.writes.get(RUN, {}).get("output")
-        body = {
-            "run_id": self.run.run_id,
-            "definition": self.plan["name"],
-            "state": status.value,
-            "output": json.loads(written) if written else self.run.output,
-            "reason": self.reason or self.run.reason,
-        }
+        output = json.loads(written) if written else self.run.output
+        body = bodies.finished(
+            self.run.run_id, self.plan["name"], status.value, output, self.reason or self.run.reason
+        )
         problem = sizes.too_big(body, self.limits)
         if problem is not None:
             # the run's record keeps the output; the event says where to read it rather than not arrive
@@ -181,7 +179,7 @@ class Ending(Builder):
         self.outgoing.append(
             Outgoing(
                 ids.message_id("event", self.run.run_id, status.value, self.run.epoch),
-                "run.finished",
+                Kind.FINISHED,
                 ("events", f"run.{status.value}.{self.plan['name']}"),
                 body,
             )

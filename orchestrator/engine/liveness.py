@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from orchestrator.engine import clocks, ids
+from orchestrator.engine import clocks
 from orchestrator.engine.builder import rejected
 from orchestrator.engine.model import (
     ACTIVE_STAGE_STATUSES,
@@ -31,6 +31,7 @@ from orchestrator.engine.model import (
     Verdict,
 )
 from orchestrator.engine.step import Step
+from orchestrator.wire import ids
 
 
 def _attempt_problem(step: Step, stage: str, fence: str) -> tuple[Verdict, str] | None:

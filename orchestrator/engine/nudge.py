@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from orchestrator.dsl.binding import bind
-from orchestrator.engine import sizes
 from orchestrator.engine.builder import rejected
 from orchestrator.engine.model import (
     ACTIVE_STAGE_STATUSES,
@@ -28,6 +27,7 @@ from orchestrator.engine.model import (
 )
 from orchestrator.engine.step import Step
 from orchestrator.errors import BindingError
+from orchestrator.wire import sizes
 
 
 def nudge(step: Step, event: Nudge) -> Decision:

@@ -24,7 +24,7 @@ from jsonschema.exceptions import UnknownType
 from referencing.exceptions import Unresolvable
 
 from orchestrator.dsl.fastcheck import certainly_fits
-from orchestrator.engine import sizes
+from orchestrator.wire import sizes
 
 __all__ = ["output_problem", "output_validator"]
 

@@ -25,10 +25,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from orchestrator.engine import door, ids
+from orchestrator.engine import door
 from orchestrator.engine.builder import rejected
 from orchestrator.engine.model import RUN, Clock, Decision, Redrive, RunStatus, StageStatus, Verdict
 from orchestrator.engine.step import Step
+from orchestrator.wire import ids
 
 # Run fields that belong to an epoch's ending, cleared when the run lives again.
 ENDING_FIELDS = (

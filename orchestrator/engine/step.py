@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from orchestrator.dsl.binding import bind, evaluate
-from orchestrator.engine import clocks, ids, sizes
+from orchestrator.engine import clocks
 from orchestrator.engine.ending import Ending
 from orchestrator.engine.model import (
     Arrival,
@@ -24,6 +24,7 @@ from orchestrator.engine.model import (
     StageStatus,
 )
 from orchestrator.errors import BindingError
+from orchestrator.wire import ids, sizes
 
 TERMINALS = frozenset(i.value for i in Intent)
 WORK_STAGE_TYPES = frozenset({"action", "worker", "map"})

@@ -1,20 +1,15 @@
 """From a verified envelope to the engine's event, or the reason it is refused.
 
 A signature says who sent a message, not that its fields make sense: a worker key can sign anything. So
-each kind's body has a typed shape (strict booleans: ``"false"`` is not false), labels and fences are
-parsed by ``ids``'s strict parsers, and anything that does not fit is refused here, before any state is
-read or written, with the reason (the service parks it on ``saga.rejected``). Nothing in this module may
-raise for a message's content.
+each kind's body is decoded to its typed shape (``wire.bodies``), labels and fences are parsed by
+``ids``'s strict parsers, and anything that does not fit is refused here, before any state is read or
+written, with the reason (the service parks it on ``saga.rejected``). Nothing in this module may raise
+for a message's content.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
-from pydantic import BaseModel, ConfigDict, StrictBool, StrictStr, ValidationError
-
-from orchestrator.bus.envelope import Envelope, Kind
-from orchestrator.engine import ids
+from orchestrator.bus.envelope import Envelope
 from orchestrator.engine.model import (
     BarrierReleased,
     CancelRun,
@@ -26,50 +21,14 @@ from orchestrator.engine.model import (
     StageHeartbeat,
     StageResult,
 )
-
-# Unknown body fields are ignored, not refused: a newer worker may send more than this release reads.
-_BODY = ConfigDict(extra="ignore", frozen=True)
-
-
-class ResultBody(BaseModel):
-    """What a worker reports about a task."""
-
-    model_config = _BODY
-
-    ok: StrictBool
-    result: Any = None
-    error: StrictStr | None = None
-    retryable: StrictBool = True
-    cancelled: StrictBool = False
-
-
-class RequestBody(BaseModel):
-    """An operator's or service's request about a whole run (cancel, re-drive)."""
-
-    model_config = _BODY
-
-    reason: StrictStr = ""
-    requested_by: StrictStr = ""
-    undo_lost: StrictBool = False  # a re-drive: the undo a poison message left in flight is lost
-
-
-class StartBody(BaseModel):
-    """A service's request to start a run: the definition, the plan it resolved (empty: the active one)
-    and the context."""
-
-    model_config = _BODY
-
-    definition: StrictStr
-    digest: StrictStr = ""
-    context: dict[str, Any] = {}
+from orchestrator.wire import ids
+from orchestrator.wire.bodies import RequestBody, ResultBody, StartBody, decoded
+from orchestrator.wire.kinds import Kind
 
 
 def start_body(envelope: Envelope) -> StartBody | str:
     """A start's body, or why it is refused."""
-    try:
-        return StartBody.model_validate(envelope.body)
-    except ValidationError as exc:
-        return f"start body: {_first_problem(exc)}"
+    return decoded(StartBody, envelope.body, "start")
 
 
 def to_event(envelope: Envelope) -> Event | str:
@@ -88,11 +47,8 @@ def to_event(envelope: Envelope) -> Event | str:
         return f"{envelope.kind.value} messages are not for shard queues"
     if not envelope.digest:
         return "a result must name the plan digest its task was dispatched under"
-    try:
-        body = ResultBody.model_validate(envelope.body)
-    except ValidationError as exc:
-        return f"result body: {_first_problem(exc)}"
-    return _result(envelope, body)
+    body = decoded(ResultBody, envelope.body, "result")
+    return body if isinstance(body, str) else _result(envelope, body)
 
 
 def _request(envelope: Envelope) -> Event | str:
@@ -101,10 +57,9 @@ def _request(envelope: Envelope) -> Event | str:
     prefix = f"{envelope.kind.value}-"
     if not envelope.message_id.startswith(prefix) or envelope.message_id == prefix:
         return f"a {envelope.kind.value} request's id is '{prefix}<unique>', not {envelope.message_id!r}"
-    try:
-        body = RequestBody.model_validate(envelope.body)
-    except ValidationError as exc:
-        return f"{envelope.kind.value} body: {_first_problem(exc)}"
+    body = decoded(RequestBody, envelope.body, envelope.kind.value)
+    if isinstance(body, str):
+        return body
     reason, by = body.reason[:500], body.requested_by[:200]
     if envelope.kind is Kind.CANCEL_RUN:
         return CancelRun(envelope.message_id, reason, by)
@@ -141,9 +96,3 @@ def _result(envelope: Envelope, body: ResultBody) -> Event | str:
         retryable=body.retryable,
         cancelled=body.cancelled,
     )
-
-
-def _first_problem(exc: ValidationError) -> str:
-    first = exc.errors(include_url=False)[0]
-    where = ".".join(str(p) for p in first["loc"]) or "body"
-    return f"{where}: {first['msg']}"

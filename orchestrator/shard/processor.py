@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from orchestrator import metrics
-from orchestrator.bus.envelope import Envelope, Kind
+from orchestrator.bus.envelope import Envelope
 from orchestrator.engine import advance, clocks
 from orchestrator.engine.model import (
     RUN,
@@ -30,7 +30,6 @@ from orchestrator.engine.model import (
     TimerFired,
     Verdict,
 )
-from orchestrator.engine.sizes import DEFAULT_LIMITS, Limits
 from orchestrator.governance.lifecycle import NotStartable, State, choose
 from orchestrator.governance.store import DefinitionStore, DigestInfo
 from orchestrator.shard.events import start_body, to_event
@@ -39,6 +38,8 @@ from orchestrator.store.redis_store import ApplyResult, PlanNotFound, RedisStore
 from orchestrator.store.replies import APPLIED, CONFLICT, DUPLICATE, NO_RUN
 from orchestrator.store.spec import record_after, snapshot_from_record, writes_run
 from orchestrator.trace import TRACE
+from orchestrator.wire.kinds import Kind
+from orchestrator.wire.sizes import DEFAULT_LIMITS, Limits
 
 # Kinds that continue an existing run on its shard (everything but a start).
 CONTINUES = frozenset(

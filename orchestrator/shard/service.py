@@ -40,11 +40,11 @@ from orchestrator.bus.envelope import Envelope, EnvelopeRejected, Signer, decode
 from orchestrator.bus.names import Names
 from orchestrator.bus.publisher import Publisher, envelope_for
 from orchestrator.engine.model import Outgoing
-from orchestrator.engine.sizes import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_MAX_TRANSITION_BYTES, Limits
 from orchestrator.reconcile import Reconciler
 from orchestrator.shard.processor import Outcome, Processor
 from orchestrator.store.redis_store import RedisStore
 from orchestrator.trace import TRACE
+from orchestrator.wire.sizes import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_MAX_TRANSITION_BYTES, Limits
 
 log = logging.getLogger(__name__)
 # TimeoutError: a Redis step that outlived ShardOptions.redis_timeout_s.

@@ -31,10 +31,11 @@ import aio_pika
 import pytest
 
 from orchestrator.bus import batch, names
-from orchestrator.bus.envelope import Envelope, Kind, encode
+from orchestrator.bus.envelope import Envelope, encode
 from orchestrator.bus.names import Names
 from orchestrator.client import Client, status_document
 from orchestrator.store.keys import ShardKeys
+from orchestrator.wire.kinds import Kind
 from tests.faults import invariants
 from tests.faults.harness import FaultSeed, Start, log_tail, start_all
 from tests.faults.invariants import assert_no_violations

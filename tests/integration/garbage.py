@@ -21,10 +21,11 @@ from typing import Any
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from orchestrator.bus.envelope import Kind, Signer, signed_message
-from orchestrator.engine import ids
+from orchestrator.bus.envelope import Signer, signed_message
 from orchestrator.engine.model import ACTIVE_STAGE_STATUSES, RunSnapshot
-from orchestrator.shard.events import ResultBody
+from orchestrator.wire import ids
+from orchestrator.wire.bodies import ResultBody
+from orchestrator.wire.kinds import Kind
 
 HOSTILE_TEXT = [
     "",

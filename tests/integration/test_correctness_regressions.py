@@ -23,7 +23,7 @@ import pytest
 from orchestrator.bus.envelope import encode, signed_message
 from orchestrator.bus.names import Names
 from orchestrator.client import StartRefused, SyncClient, run_id_for, start_envelope
-from orchestrator.engine import ids
+from orchestrator.wire import ids
 from tests.faults import invariants
 from tests.integration.stack import Stack, poll, running
 from workers.demo.effects import demo_key

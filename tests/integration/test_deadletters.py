@@ -18,9 +18,10 @@ from typing import Any
 import aio_pika
 import pytest
 
-from orchestrator.bus.envelope import Envelope, Kind
+from orchestrator.bus.envelope import Envelope
 from orchestrator.bus.names import Names
 from orchestrator.bus.publisher import Publisher
+from orchestrator.wire.kinds import Kind
 from tests.integration.stack import ROOT, Stack, poll
 
 NAMES = Names()  # the stack runs in the default namespace, on a vhost of its own

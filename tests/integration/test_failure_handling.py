@@ -18,9 +18,9 @@ import pytest
 
 from orchestrator.client import SyncClient
 from orchestrator.compiler import compile_text
-from orchestrator.engine import ids
 from orchestrator.provision import publish_plans
 from orchestrator.store.keys import ShardKeys
+from orchestrator.wire import ids
 from tests.integration.stack import REGISTRY, Stack, poll, running
 from workers.demo.effects import demo_key
 

@@ -15,10 +15,10 @@ import redis.asyncio as aioredis
 from orchestrator.bus.envelope import Signer, decode, signed_message
 from orchestrator.bus.publisher import envelope_for, outgoing_from_payload
 from orchestrator.client import start_envelope
-from orchestrator.engine import ids
 from orchestrator.settings import DEVELOPMENT_SIGNING_KEY
 from orchestrator.shard.processor import Processor
 from orchestrator.store.redis_store import ApplyResult, RedisStore
+from orchestrator.wire import ids
 from tests.conftest import compile_yaml
 from tests.faults import invariants
 from tests.integration.stack import publish_active

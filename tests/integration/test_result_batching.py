@@ -23,7 +23,7 @@ from orchestrator.bus import batch
 from orchestrator.bus.envelope import Envelope, Signer, decode, signed_message
 from orchestrator.bus.names import Names
 from orchestrator.client import SyncClient
-from orchestrator.engine import ids
+from orchestrator.wire import ids
 from tests.integration.stack import Stack, poll
 from tests.integration.test_metrics import metered, scrape, total
 from tests.integration.test_result_contract import take_tasks

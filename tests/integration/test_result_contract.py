@@ -17,11 +17,12 @@ from typing import Any
 import aio_pika
 import pytest
 
-from orchestrator.bus.envelope import Envelope, Kind, decode
+from orchestrator.bus.envelope import Envelope, decode
 from orchestrator.bus.names import Names
 from orchestrator.client import SyncClient
-from orchestrator.engine import ids
 from orchestrator.versions import COMPILER_VERSION, DSL_VERSION, ENGINE_VERSION
+from orchestrator.wire import ids
+from orchestrator.wire.kinds import Kind
 from tests.integration.stack import Stack, poll
 
 pytestmark = pytest.mark.services

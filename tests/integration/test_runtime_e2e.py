@@ -10,12 +10,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from orchestrator.bus.envelope import Envelope, Kind
+from orchestrator.bus.envelope import Envelope
 from orchestrator.bus.names import Names
 from orchestrator.client import SyncClient, run_id_for
 from orchestrator.compiler import compile_text
-from orchestrator.engine import ids
 from orchestrator.provision import publish_plans
+from orchestrator.wire import ids
+from orchestrator.wire.kinds import Kind
 from tests.integration.stack import REGISTRY, ROOT, Stack, poll, running
 
 NAMES = Names()  # the stack runs in the default namespace, on a vhost of its own

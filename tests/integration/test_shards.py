@@ -10,8 +10,9 @@ from typing import Any
 
 import pytest
 
-from orchestrator.bus.envelope import Envelope, Kind
+from orchestrator.bus.envelope import Envelope
 from orchestrator.client import Client
+from orchestrator.wire.kinds import Kind
 from tests.faults import invariants
 from tests.integration.stack import Stack, poll
 

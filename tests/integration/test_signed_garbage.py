@@ -32,12 +32,12 @@ from hypothesis import strategies as st
 from orchestrator.bus.envelope import EnvelopeRejected, Signer, decode
 from orchestrator.bus.publisher import envelope_for, outgoing_from_payload
 from orchestrator.client import start_envelope
-from orchestrator.engine import ids
 from orchestrator.engine.model import Verdict
 from orchestrator.settings import DEVELOPMENT_SIGNING_KEY
 from orchestrator.shard.processor import Outcome, Processor
 from orchestrator.store.redis_store import RedisStore
 from orchestrator.store.spec import barrier_stages
+from orchestrator.wire import ids
 from tests.integration.garbage import Target, describe, garbage, is_legitimate, sign
 from tests.integration.stack import publish_active
 from tests.unit.engine_sim import handler_output

@@ -21,13 +21,14 @@ import redis
 import redis.asyncio as aioredis
 
 from orchestrator.compiler import CompiledPlan, compile_text
-from orchestrator.engine import advance, ids
+from orchestrator.engine import advance
 from orchestrator.engine.model import BarrierReleased, CancelRun, Decision, Event, StageResult, StartRun
 from orchestrator.store.facets import static_facets, status_facets
 from orchestrator.store.memory import MemoryStore
 from orchestrator.store.redis_store import LIBRARY_NAME, RedisStore, library_source
 from orchestrator.store.replies import APPLIED, CONFLICT, DUPLICATE
 from orchestrator.store.spec import barrier_stages
+from orchestrator.wire import ids
 from tests.conftest import DEFINITIONS, DEMO_REGISTRY, compile_yaml
 from tests.faults import invariants
 from tests.unit.engine_sim import SHARD, Poisoned, Sim, apply_event, handler_output

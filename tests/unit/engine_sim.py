@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import workers.demo
-from orchestrator.engine import advance, clocks, ids
+from orchestrator.engine import advance, clocks
 from orchestrator.engine.model import (
     BarrierReleased,
     CompensationResult,
@@ -47,11 +47,11 @@ from orchestrator.engine.model import (
     TimerFired,
     Verdict,
 )
-from orchestrator.engine.sizes import DEFAULT_LIMITS, Limits
 from orchestrator.store.memory import MemoryStore
 from orchestrator.store.replies import APPLIED, CONFLICT
 from orchestrator.store.spec import barrier_stages
-from workers.runtime import Outcome, report_body
+from orchestrator.wire import bodies, ids
+from orchestrator.wire.sizes import DEFAULT_LIMITS, Limits
 from workers.sdk import Handler, handlers_of
 
 HANDLERS: dict[str, Handler] = {h.contract.ref: h for h in handlers_of(workers.demo)}
@@ -362,7 +362,7 @@ class Sim:
         except Exception as exc:
             value, ok, error = None, False, f"{type(exc).__name__}: {exc}"
         # what the worker runtime sends: a result too large for a message becomes a failure saying so
-        sent = report_body(Outcome(ok, value if ok else error), self.limits)
+        sent = bodies.result(ok, value if ok else error, self.limits)
         ok, value, error = sent["ok"], sent.get("result"), sent.get("error")
         self.calls.append((stage, item, ok, value if ok else error))
         message_id = ids.result_id(task.message_id)

@@ -13,11 +13,12 @@ from typing import Any
 import pytest
 
 from orchestrator.compiler import CompiledPlan, compile_text
-from orchestrator.engine import advance, ids
+from orchestrator.engine import advance
 from orchestrator.engine.model import StageResult, StartRun, Verdict
 from orchestrator.store.memory import MemoryStore
 from orchestrator.store.replies import APPLIED, DUPLICATE, NO_RUN
 from orchestrator.store.spec import barrier_stages
+from orchestrator.wire import ids
 from tests.conftest import DEFINITIONS, DEMO_REGISTRY, compile_yaml
 from tests.unit.engine_sim import SHARD, Handled, Sim, handler_output, report
 

@@ -4,8 +4,8 @@ failure per transition (engine/nudge.py)."""
 
 from __future__ import annotations
 
-from orchestrator.engine import sizes
 from orchestrator.engine.model import BarrierReleased, Nudge
+from orchestrator.wire import sizes
 from tests.conftest import compile_yaml
 from tests.unit.engine_sim import Sim
 from tests.unit.redrive_cases import compiled, drive, in_order

@@ -4,8 +4,8 @@ failed and compensated ones run again; old-epoch reports are stale; finalisers r
 from __future__ import annotations
 
 from orchestrator.engine.model import CancelRun, Redrive, Verdict
-from orchestrator.engine.sizes import Limits
 from orchestrator.store.replies import DUPLICATE
+from orchestrator.wire.sizes import Limits
 from tests.conftest import DEFINITIONS, compile_yaml
 from tests.unit.engine_sim import Sim, report
 from tests.unit.redrive_cases import cases, fail, in_order

@@ -14,8 +14,9 @@ import jsonschema
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from orchestrator.engine import advance, outputs, sizes
+from orchestrator.engine import advance, outputs
 from orchestrator.engine.model import CompensationResult, FinaliserResult, StageResult, Verdict
+from orchestrator.wire import sizes
 from tests.conftest import compile_yaml
 from tests.unit.engine_sim import Handled, Sim
 

@@ -20,13 +20,13 @@ from hypothesis import strategies as st
 from orchestrator.bus.envelope import Signer, signed_message
 from orchestrator.bus.publisher import message_bytes
 from orchestrator.client import ActivePlan, StartRefused, checked_start
-from orchestrator.engine import door, sizes
+from orchestrator.engine import door
 from orchestrator.engine.model import Nudge, RunSnapshot, RunStatus, StageStatus
 from orchestrator.settings import Settings
+from orchestrator.wire import bodies, sizes
 from tests.conftest import compile_yaml
 from tests.unit.engine_sim import Sim, report
 from tests.unit.redrive_cases import compiled, drive, in_order
-from workers.runtime import Outcome, report_body
 
 LIMITS = sizes.Limits(max_message_bytes=16_384)  # the smallest the settings allow
 SIGNER = Signer.from_settings(("a-long-key-id-of-sixty-four-characters-which-is-the-most-allowed-x:s",))
@@ -151,12 +151,12 @@ def test_a_compensation_too_large_to_send_fails_with_the_reason_and_the_rest_go_
 
 
 def test_a_result_too_large_to_send_is_reported_as_a_failure_that_says_so() -> None:
-    big = report_body(Outcome(True, {"blob": "€" * 6000}), LIMITS)
+    big = bodies.result(True, {"blob": "€" * 6000}, LIMITS)
     assert big["ok"] is False and big["retryable"] is False
     assert big["error"].startswith("the result cannot be sent: its message would be 18,")
-    small = report_body(Outcome(True, {"blob": "€" * 100}), LIMITS)
+    small = bodies.result(True, {"blob": "€" * 100}, LIMITS)
     assert small == {"ok": True, "result": {"blob": "€" * 100}}
-    error = report_body(Outcome(False, "boom " * 100_000), LIMITS)
+    error = bodies.result(False, "boom " * 100_000, LIMITS)
     assert sizes.body_bytes(error) < sizes.MAX_ERROR_CHARS + 200
 
 
@@ -365,7 +365,7 @@ def test_a_nudge_fails_a_bag_whose_missing_item_can_no_longer_be_sent() -> None:
 
 
 def test_a_result_that_is_not_json_is_reported_as_a_failure_that_says_so() -> None:
-    body = report_body(Outcome(True, {"score": float("nan")}), LIMITS)
+    body = bodies.result(True, {"score": float("nan")}, LIMITS)
     assert body["ok"] is False and body["retryable"] is False
     assert "not valid JSON" in body["error"]
 

@@ -9,16 +9,9 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from orchestrator.bus.envelope import (
-    Envelope,
-    EnvelopeRejected,
-    Kind,
-    Signer,
-    decode,
-    encode,
-    signed_message,
-)
+from orchestrator.bus.envelope import Envelope, EnvelopeRejected, Signer, decode, encode, signed_message
 from orchestrator.errors import SagaError
+from orchestrator.wire.kinds import Kind
 
 MAX = 64 * 1024
 DIGEST = "sha256:" + "ab" * 32

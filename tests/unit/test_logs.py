@@ -17,8 +17,9 @@ import pytest
 from pydantic import BaseModel
 
 from orchestrator import logs
-from orchestrator.bus.envelope import Envelope, Kind
+from orchestrator.bus.envelope import Envelope
 from orchestrator.settings import Settings
+from orchestrator.wire.kinds import Kind
 from workers.runtime import TaskContext, _start
 from workers.sdk import Handler
 

@@ -12,9 +12,10 @@ from typing import Any
 import pytest
 from pydantic import BaseModel
 
-from orchestrator.bus.envelope import Envelope, Kind, Signer
+from orchestrator.bus.envelope import Envelope, Signer
 from orchestrator.contracts import CONTRACT_ATTRIBUTE, CONTRACTS_ATTRIBUTE, ContractKind, Registry
 from orchestrator.errors import ContractError
+from orchestrator.wire.kinds import Kind
 from workers.runtime import TaskContext, Turn, WorkerRuntime, worker_info
 from workers.sdk import (
     HANDLER_ATTRIBUTE,

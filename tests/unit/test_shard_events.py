@@ -7,9 +7,10 @@ from typing import Any
 
 import pytest
 
-from orchestrator.bus.envelope import Envelope, Kind
+from orchestrator.bus.envelope import Envelope
 from orchestrator.engine.model import CompensationResult, FinaliserResult, Redrive, StageResult
 from orchestrator.shard.events import to_event
+from orchestrator.wire.kinds import Kind
 
 
 def envelope(kind: Kind = Kind.RESULT, **fields: Any) -> Envelope:
