@@ -11,6 +11,7 @@ that form (a hash of item -> result) finishes in the hash it began with.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -194,6 +195,27 @@ def poison_spec(message_id: str, error: str, now_ms: int) -> Spec:
     return Spec("saga_poison", {"at": now_ms, "mid": message_id, "reason": reason, "error": error})
 
 
+# A field's text from this size up is parsed once and the value shared; up to the upper bound only, so
+# that the few values kept stay small (a bag's context of 10,000 ids is about 150 KB).
+_SHARED_FROM, _SHARED_UP_TO = 2048, 1 << 20
+
+
+@functools.lru_cache(maxsize=16)
+def _shared(text: str) -> Any:
+    return json.loads(text)
+
+
+def json_field(text: str) -> Any:
+    """A JSON field of a run hash. A large one (a bag's context, a map's results) is parsed once per text
+    and the value shared by the snapshots that read it (nothing changes a snapshot's values in place: the
+    engine copies what it builds on), so a run whose record is kept between batches (a bag's arrivals,
+    batch after batch) does not parse its whole context again each time. Python keeps a string's hash, so
+    finding a kept record's text again costs no pass over it."""
+    if _SHARED_FROM <= len(text) <= _SHARED_UP_TO:
+        return _shared(text)
+    return json.loads(text)
+
+
 def snapshot_from_record(record: Mapping[str, str], map_results: Mapping[str, list[Any]]) -> RunSnapshot:
     """Build the engine's snapshot from the flat run hash."""
     stage_fields: dict[str, dict[str, str]] = {}
@@ -217,7 +239,7 @@ def snapshot_from_record(record: Mapping[str, str], map_results: Mapping[str, li
             status=StageStatus(fields["status"]),
             attempt=int(fields.get("attempt", "1")),
             fence=fields.get("fence", ""),
-            result=json.loads(fields["result"]) if "result" in fields else None,
+            result=json_field(fields["result"]) if "result" in fields else None,
             error=fields.get("error"),
             items=int(fields["items"]) if "items" in fields else None,
             completed_at=int(fields["done_at"]) if "done_at" in fields else None,
@@ -230,7 +252,7 @@ def snapshot_from_record(record: Mapping[str, str], map_results: Mapping[str, li
         shard=record["shard"],
         digest=record["digest"],
         status=RunStatus(record["status"]),
-        context=json.loads(record.get("context", "{}")),
+        context=json_field(record.get("context", "{}")),
         intent=Intent(record["intent"]) if record.get("intent") else None,
         reason=record.get("reason"),
         epoch=int(record.get("epoch", "1")),
@@ -242,7 +264,7 @@ def snapshot_from_record(record: Mapping[str, str], map_results: Mapping[str, li
         phase=record.get("phase", ""),
         item_attempts=item_attempts,
         tenant=record.get("tenant", "default"),
-        output=json.loads(record["output"]) if "output" in record else None,
+        output=json_field(record["output"]) if "output" in record else None,
         stages=stages,
         map_results=map_results,
         barriers=counters,

@@ -1,0 +1,26 @@
+"""A run hash's JSON fields: a large one is parsed once per text and shared by the snapshots that read
+it (a bag's context, read again for every batch of its arrivals), a small one is parsed each time."""
+
+from __future__ import annotations
+
+import json
+
+from orchestrator.store.spec import json_field
+
+
+def test_a_large_field_is_parsed_once_and_equals_its_text() -> None:
+    text = json.dumps({"modelIds": [f"m-{i}" for i in range(500)]})
+    first, again = json_field(text), json_field(str(text))  # an equal text read again from Redis
+    assert first == json.loads(text)
+    assert again is first
+
+
+def test_a_small_field_is_parsed_each_time() -> None:
+    text = json.dumps({"modelId": "m-1"})
+    assert json_field(text) == {"modelId": "m-1"}
+    assert json_field(text) is not json_field(text)
+
+
+def test_a_field_beyond_the_shared_size_is_not_kept() -> None:
+    text = json.dumps(["x" * 1000] * 1100)  # over 1 MiB
+    assert json_field(text) is not json_field(text)
