@@ -7,12 +7,14 @@ Uses the store test's helpers: a key prefix of its own per test, deleted afterwa
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping
 from typing import Any
 
 import pytest
 
+from orchestrator.compiler import CompiledPlan
 from orchestrator.engine import advance
 from orchestrator.engine.model import BarrierReleased
 from orchestrator.store.redis_store import RedisStore, function_name
@@ -109,6 +111,16 @@ async def arrive_in_hash(
     return int(reply[0])
 
 
+async def arrive_now(
+    store: RedisStore, plan: CompiledPlan, run_id: str, read: Any, task: Mapping[str, Any]
+) -> tuple[int, str]:
+    """The report of ``task`` decided from ``read`` (arrivals commute) and applied by this version."""
+    event = task_result(task)
+    decision = advance(plan.plan, plan.digest, read, event, NOW)
+    result = await store.apply(SHARD, run_id, event.message_id, decision, plan.plan, NOW)
+    return result.code, result.detail
+
+
 def test_a_bag_opened_in_its_hash_finishes_there_each_item_counted_once() -> None:
     async def test(store: RedisStore) -> None:
         # Given a bag of 6 whose first 3 items arrived in the barrier's hash (the earlier form)
@@ -123,12 +135,7 @@ def test_a_bag_opened_in_its_hash_finishes_there_each_item_counted_once() -> Non
         assert await store.arrivals(SHARD, run_id, ("render-all",)) == {"render-all": frozenset("012")}
 
         # When this version's arrivals come: a duplicate of an item already in the hash, then the rest
-        async def arrive(task: Mapping[str, Any]) -> tuple[int, str]:
-            event = task_result(task)
-            decision = advance(plan.plan, plan.digest, read, event, NOW)
-            result = await store.apply(SHARD, run_id, event.message_id, decision, plan.plan, NOW)
-            return result.code, result.detail
-
+        arrive = functools.partial(arrive_now, store, plan, run_id, read)
         assert (await arrive(tasks[1]))[0] == DUPLICATE
         outcomes = [await arrive(task) for task in tasks[3:]]
 
@@ -162,11 +169,7 @@ def test_a_bag_in_both_forms_counts_each_item_once_and_releases_every_result() -
         tasks = await bag_tasks(store)
         read = await store.snapshot(SHARD, run_id)
 
-        async def arrive(task: Mapping[str, Any]) -> tuple[int, str]:
-            event = task_result(task)
-            decision = advance(plan.plan, plan.digest, read, event, NOW)
-            result = await store.apply(SHARD, run_id, event.message_id, decision, plan.plan, NOW)
-            return result.code, result.detail
+        arrive = functools.partial(arrive_now, store, plan, run_id, read)
 
         assert [await arrive(t) for t in tasks[:3]] == [(APPLIED, "5"), (APPLIED, "4"), (APPLIED, "3")]
         assert await arrive_in_hash(store, plan.plan, run_id, tasks[3], read) == APPLIED
