@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import Counter, Gauge, Histogram
 
 from orchestrator import health
-from orchestrator.engine.builder import stage_contract
 
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
@@ -242,6 +241,9 @@ def _attempt_ended(
     spec = plan["stages"].get(stage)
     if dispatched_ms is None or spec is None or spec.get("type") not in ("action", "worker", "map"):
         return
+    # imported here: workers use this module too, and load nothing of the engine
+    from orchestrator.engine.builder import stage_contract
+
     STAGE_SECONDS.labels(stage_contract(spec), outcome).observe(max(0, now_ms - dispatched_ms) / 1000)
 
 

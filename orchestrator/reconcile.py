@@ -26,11 +26,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from orchestrator.bus.publisher import Publisher, outgoing_from_payload
-from orchestrator.engine.model import Outgoing
 from orchestrator.shard.processor import Processor
 from orchestrator.store.keys import index_key
 from orchestrator.store.redis_store import RedisStore
 from orchestrator.wire import sizes
+from orchestrator.wire.outgoing import Outgoing
 
 ACTIVE_RUN_STATES = ("running", "finalising")
 SCAN_BATCH = 500

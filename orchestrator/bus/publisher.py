@@ -24,8 +24,8 @@ from orchestrator import metrics
 from orchestrator.bus.envelope import Envelope, Signer, encode, signed_message
 from orchestrator.bus.names import Names
 from orchestrator.bus.topology import TaskQueueLayout, declare_task_queue
-from orchestrator.engine.model import Outgoing
 from orchestrator.trace import TRACE
+from orchestrator.wire.outgoing import Outgoing
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,6 @@ from orchestrator.engine.model import (
     HistoryEntry,
     Intent,
     Key,
-    Outgoing,
     RunSnapshot,
     StageRecord,
     Timer,
@@ -35,6 +34,7 @@ from orchestrator.engine.model import (
 )
 from orchestrator.wire import bodies, ids, sizes
 from orchestrator.wire.kinds import Kind
+from orchestrator.wire.outgoing import Outgoing
 
 
 def dumps(value: Any) -> str:

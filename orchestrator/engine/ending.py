@@ -15,7 +15,6 @@ from orchestrator.engine.model import (
     Clock,
     Intent,
     Key,
-    Outgoing,
     RunStatus,
     StageRecord,
     StageStatus,
@@ -23,6 +22,7 @@ from orchestrator.engine.model import (
 from orchestrator.errors import BindingError
 from orchestrator.wire import bodies, ids, sizes
 from orchestrator.wire.kinds import Kind
+from orchestrator.wire.outgoing import Outgoing
 
 CANCELLABLE = ACTIVE_STAGE_STATUSES | {StageStatus.RETRY_SCHEDULED}
 

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from orchestrator.wire.outgoing import Outgoing
+
 
 class RunStatus(StrEnum):
     PENDING = "pending"
@@ -282,19 +284,6 @@ class Expect:
 class Write:
     key: Key
     fields: Mapping[str, str]
-
-
-@dataclass(frozen=True)
-class Outgoing:
-    """A message the transition causes, appended to the shard outbox in the same atomic call.
-
-    ``route`` is logical: ``("task", queue)``, ``("shard", shard)``, ``("events", routing_key)``.
-    """
-
-    message_id: str
-    kind: str
-    route: tuple[str, str]
-    body: Mapping[str, Any]
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,6 @@ from orchestrator.engine.model import (
     Decision,
     Key,
     Nudge,
-    Outgoing,
     RunStatus,
     StageRecord,
     Verdict,
@@ -28,6 +27,7 @@ from orchestrator.engine.model import (
 from orchestrator.engine.step import Step
 from orchestrator.errors import BindingError
 from orchestrator.wire import sizes
+from orchestrator.wire.outgoing import Outgoing
 
 
 def nudge(step: Step, event: Nudge) -> Decision:

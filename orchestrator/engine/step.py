@@ -13,18 +13,10 @@ from typing import Any
 from orchestrator.dsl.binding import bind, evaluate
 from orchestrator.engine import clocks
 from orchestrator.engine.ending import Ending
-from orchestrator.engine.model import (
-    Arrival,
-    BarrierInit,
-    Clock,
-    Intent,
-    Key,
-    Outgoing,
-    StageRecord,
-    StageStatus,
-)
+from orchestrator.engine.model import Arrival, BarrierInit, Clock, Intent, Key, StageRecord, StageStatus
 from orchestrator.errors import BindingError
 from orchestrator.wire import ids, sizes
+from orchestrator.wire.outgoing import Outgoing
 
 TERMINALS = frozenset(i.value for i in Intent)
 WORK_STAGE_TYPES = frozenset({"action", "worker", "map"})

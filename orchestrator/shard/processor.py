@@ -24,7 +24,6 @@ from orchestrator.engine.model import (
     Event,
     Expect,
     Nudge,
-    Outgoing,
     RunSnapshot,
     StartRun,
     TimerFired,
@@ -39,6 +38,7 @@ from orchestrator.store.replies import APPLIED, CONFLICT, DUPLICATE, NO_RUN
 from orchestrator.store.spec import record_after, snapshot_from_record, writes_run
 from orchestrator.trace import TRACE
 from orchestrator.wire.kinds import Kind
+from orchestrator.wire.outgoing import Outgoing
 from orchestrator.wire.sizes import DEFAULT_LIMITS, Limits
 
 # Kinds that continue an existing run on its shard (everything but a start).
@@ -134,10 +134,10 @@ class Processor:
             if record is None:
                 missing.append(run)
             else:
-                read[run] = _Read(record, snapshot_from_record(record, {}), kept=True)
+                read[run] = _Read(record, snapshot_from_record(record, {}, shared=True), kept=True)
         if missing:
             for run, record in zip(missing, await self.store.records(shard, missing), strict=True):
-                snapshot = snapshot_from_record(record, {}) if record is not None else None
+                snapshot = snapshot_from_record(record, {}, shared=True) if record is not None else None
                 read[run] = _Read(record, snapshot, kept=False)
         return read
 

@@ -39,11 +39,11 @@ from orchestrator.bus.connect import untracked_channel
 from orchestrator.bus.envelope import Envelope, EnvelopeRejected, Signer, decode
 from orchestrator.bus.names import Names
 from orchestrator.bus.publisher import Publisher, envelope_for
-from orchestrator.engine.model import Outgoing
 from orchestrator.reconcile import Reconciler
 from orchestrator.shard.processor import Outcome, Processor
 from orchestrator.store.redis_store import RedisStore
 from orchestrator.trace import TRACE
+from orchestrator.wire.outgoing import Outgoing
 from orchestrator.wire.sizes import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_MAX_TRANSITION_BYTES, Limits
 
 log = logging.getLogger(__name__)

@@ -23,12 +23,12 @@ from orchestrator.engine.model import (
     HistoryEntry,
     Intent,
     Key,
-    Outgoing,
     RunSnapshot,
     RunStatus,
     StageRecord,
     StageStatus,
 )
+from orchestrator.wire.outgoing import Outgoing
 
 FIRST_BARRIER_KEY = 8  # KEYS[8..] are barrier hashes (1-based, as Lua sees them), then each bag's two keys
 
@@ -207,17 +207,22 @@ def _shared(text: str) -> Any:
 
 def json_field(text: str) -> Any:
     """A JSON field of a run hash. A large one (a bag's context, a map's results) is parsed once per text
-    and the value shared by the snapshots that read it (nothing changes a snapshot's values in place: the
-    engine copies what it builds on), so a run whose record is kept between batches (a bag's arrivals,
-    batch after batch) does not parse its whole context again each time. Python keeps a string's hash, so
-    finding a kept record's text again costs no pass over it."""
+    and the value shared by the snapshots that read it, so a run whose record the shard keeps between
+    batches (a bag's arrivals, batch after batch) does not parse its whole context again each time.
+    Python keeps a string's hash, so finding a kept record's text again costs no pass over it. Only for
+    readers that change no value in place (the engine copies what it builds on): values handed to
+    callers (the client's status and wait, the views) are parsed afresh."""
     if _SHARED_FROM <= len(text) <= _SHARED_UP_TO:
         return _shared(text)
     return json.loads(text)
 
 
-def snapshot_from_record(record: Mapping[str, str], map_results: Mapping[str, list[Any]]) -> RunSnapshot:
-    """Build the engine's snapshot from the flat run hash."""
+def snapshot_from_record(
+    record: Mapping[str, str], map_results: Mapping[str, list[Any]], *, shared: bool = False
+) -> RunSnapshot:
+    """Build the engine's snapshot from the flat run hash; ``shared``: large JSON fields parsed once and
+    shared (:func:`json_field`), for the shard's engine only."""
+    parse = json_field if shared else json.loads
     stage_fields: dict[str, dict[str, str]] = {}
     item_attempts: dict[str, int] = {}
     counters: dict[str, int] = {}
@@ -239,7 +244,7 @@ def snapshot_from_record(record: Mapping[str, str], map_results: Mapping[str, li
             status=StageStatus(fields["status"]),
             attempt=int(fields.get("attempt", "1")),
             fence=fields.get("fence", ""),
-            result=json_field(fields["result"]) if "result" in fields else None,
+            result=parse(fields["result"]) if "result" in fields else None,
             error=fields.get("error"),
             items=int(fields["items"]) if "items" in fields else None,
             completed_at=int(fields["done_at"]) if "done_at" in fields else None,
@@ -252,7 +257,7 @@ def snapshot_from_record(record: Mapping[str, str], map_results: Mapping[str, li
         shard=record["shard"],
         digest=record["digest"],
         status=RunStatus(record["status"]),
-        context=json_field(record.get("context", "{}")),
+        context=parse(record.get("context", "{}")),
         intent=Intent(record["intent"]) if record.get("intent") else None,
         reason=record.get("reason"),
         epoch=int(record.get("epoch", "1")),
@@ -264,7 +269,7 @@ def snapshot_from_record(record: Mapping[str, str], map_results: Mapping[str, li
         phase=record.get("phase", ""),
         item_attempts=item_attempts,
         tenant=record.get("tenant", "default"),
-        output=json_field(record["output"]) if "output" in record else None,
+        output=parse(record["output"]) if "output" in record else None,
         stages=stages,
         map_results=map_results,
         barriers=counters,

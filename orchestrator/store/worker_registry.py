@@ -37,7 +37,6 @@ import redis.asyncio as aioredis
 from orchestrator.governance.store import digests_key, parse_digest_info
 from orchestrator.store.live_runs import unfinished_by_digest
 from orchestrator.store.membership import process_id, redis_now_ms
-from orchestrator.store.redis_store import PlanNotFound, RedisStore
 
 log = logging.getLogger(__name__)
 
@@ -250,6 +249,9 @@ async def pinned_plans(
     client: aioredis.Redis, prefix: str, digests: Iterable[str]
 ) -> dict[str, Mapping[str, Any]]:
     """The plans of ``digests``, by digest; a plan that is not stored is left out."""
+    # imported here: workers register through this module, and load nothing of the store or the engine
+    from orchestrator.store.redis_store import PlanNotFound, RedisStore
+
     store = RedisStore(client, prefix)
     plans: dict[str, Mapping[str, Any]] = {}
     for digest in sorted(set(digests)):

@@ -19,12 +19,12 @@ from orchestrator.bus.envelope import Envelope, decode, signed_message
 from orchestrator.bus.publisher import envelope_for, outgoing_from_payload
 from orchestrator.client import start_envelope
 from orchestrator.compiler import CompiledPlan
-from orchestrator.engine.model import Outgoing
 from orchestrator.shard.processor import Processor
 from orchestrator.store.redis_store import ApplyResult, RedisStore
 from orchestrator.store.replies import CONFLICT
 from orchestrator.wire import ids
 from orchestrator.wire.kinds import Kind
+from orchestrator.wire.outgoing import Outgoing
 from tests.conftest import compile_yaml
 from tests.faults import invariants
 from tests.integration.stack import publish_active

@@ -12,7 +12,7 @@ import pytest
 from orchestrator.bus.envelope import Signer, decode
 from orchestrator.bus.names import Names
 from orchestrator.bus.publisher import Publisher
-from orchestrator.engine.model import Outgoing
+from orchestrator.wire.outgoing import Outgoing
 from tests.integration.stack import Stack
 
 pytestmark = pytest.mark.services

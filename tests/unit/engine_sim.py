@@ -38,7 +38,6 @@ from orchestrator.engine.model import (
     Event,
     FinaliserResult,
     Nudge,
-    Outgoing,
     RunSnapshot,
     StageAccepted,
     StageHeartbeat,
@@ -51,6 +50,7 @@ from orchestrator.store.memory import MemoryStore
 from orchestrator.store.replies import APPLIED, CONFLICT
 from orchestrator.store.spec import barrier_stages
 from orchestrator.wire import bodies, ids
+from orchestrator.wire.outgoing import Outgoing
 from orchestrator.wire.sizes import DEFAULT_LIMITS, Limits
 from workers.sdk import Handler, handlers_of
 

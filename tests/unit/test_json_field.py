@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from orchestrator.store.spec import json_field
+from orchestrator.store.spec import json_field, snapshot_from_record
 
 
 def test_a_large_field_is_parsed_once_and_equals_its_text() -> None:
@@ -24,3 +24,17 @@ def test_a_small_field_is_parsed_each_time() -> None:
 def test_a_field_beyond_the_shared_size_is_not_kept() -> None:
     text = json.dumps(["x" * 1000] * 1100)  # over 1 MiB
     assert json_field(text) is not json_field(text)
+
+
+def test_only_the_shards_snapshots_share_large_values() -> None:
+    record = {
+        "run_id": "r",
+        "shard": "fast.0",
+        "digest": "sha256:x",
+        "status": "running",
+        "context": json.dumps({"modelIds": [f"m-{i}" for i in range(500)]}),
+    }
+    assert snapshot_from_record(record, {}, shared=True).context is json_field(record["context"])
+    # what the client and the views hand to callers is their own to change
+    first, again = snapshot_from_record(record, {}), snapshot_from_record(record, {})
+    assert first.context == again.context and first.context is not again.context

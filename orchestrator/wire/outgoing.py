@@ -1,0 +1,20 @@
+"""A message a transition causes, as the engine decides it and the shard's outbox keeps it."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Outgoing:
+    """A message the transition causes, appended to the shard outbox in the same atomic call.
+
+    ``route`` is logical: ``("task", queue)``, ``("shard", shard)``, ``("events", routing_key)``.
+    """
+
+    message_id: str
+    kind: str
+    route: tuple[str, str]
+    body: Mapping[str, Any]
