@@ -11,6 +11,8 @@ Prints one JSON line per figure, in the shape of the peers' ``emit``:
   wide join                        branches/s, one thumbnail-batch run over W model ids, for each W
   redis bytes per completed run    MEMORY USAGE of every key of a completed model-ingest run
   redis bytes per completed bag run  the same for the bag run of width 1000 (or the smallest width)
+  redis bookkeeping per live bag item  that bag's bitmap and results list once half its items arrived,
+                                     less the results' bytes, per arrived item (and the outbox then)
 
 Figures carry ``cpu_s``: CPU seconds the orchestrators, workers, this client, RabbitMQ and Redis spent on
 that workload, and "other": what the rest of the machine spent meanwhile (high means a noisy figure).
@@ -186,6 +188,40 @@ class Watcher:
         by_key = {(k[len(base) + 1 :] or "run"): int(n or 0) for k, n in zip(keys, sizes, strict=True)}
         return sum(by_key.values()), dict(sorted(by_key.items())), int(index_bytes or 0)
 
+    async def live_bag(self, run_id: str, stage: str, width: int, timeout_s: float) -> dict[str, Any] | None:
+        """Once half of a bag's items arrived: the Redis its barrier keeps per arrived item, beside the
+        results themselves (MEMORY USAGE of its bitmap and results list, less the results' bytes), and
+        the shard's outbox entries at that moment (its dispatch's burst, until confirmed)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if run_id in self.shards:
+                left = await self.redis.hget(self.run_key(run_id), f"b:{stage}")  # type: ignore[misc]
+                if left is not None and int(left) <= width // 2:
+                    break
+            else:
+                await self.statuses([run_id])
+            await asyncio.sleep(0.005)
+        else:
+            return None
+        keys = ShardKeys(self.prefix, self.shards[run_id])
+        arrived, results = keys.bag_arrived(run_id, stage), keys.bag_results(run_id, stage)
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.memory_usage(arrived, samples=0)
+        pipe.memory_usage(results, samples=0)
+        pipe.lrange(results, 0, -1)
+        pipe.hlen(keys.outbox())
+        bitmap, listed, entries, outbox = await pipe.execute()
+        payload = sum(len(e.partition(":")[2].encode()) for e in entries)
+        count = len(entries)
+        return {
+            "per_item": round((int(bitmap or 0) + int(listed or 0) - payload) / max(count, 1), 2),
+            "arrived": count,
+            "bitmap_bytes": int(bitmap or 0),
+            "results_bytes": int(listed or 0),
+            "results_payload_bytes": payload,
+            "outbox_entries": int(outbox),
+        }
+
 
 # ---- workloads -------------------------------------------------------------------------------------
 
@@ -267,6 +303,9 @@ async def bench_wide(client: Client, watcher: Watcher, meter: Meter, args: argpa
         meter.lap()
         t = time.perf_counter()
         run_id = await client.start("thumbnail-batch", {"modelIds": ids})
+        live = None
+        if width == bag_width and not bag_measured:
+            live = await watcher.live_bag(run_id, "render-all", width, args.timeout)
         _, seen = await watcher.wait_all([run_id], WIDE_POLL_S, args.timeout)
         cpu = meter.lap()
         document = await client.status(run_id)
@@ -280,6 +319,8 @@ async def bench_wide(client: Client, watcher: Watcher, meter: Meter, args: argpa
             count=(document["output"] or {}).get("count"),
             cpu_s=cpu,
         )
+        if live is not None:
+            emit("redis bookkeeping per live bag item", live.pop("per_item"), "bytes", width=width, **live)
         if width == bag_width and not bag_measured:
             bag_measured = True
             total, by_key, index_bytes = await watcher.run_bytes(run_id)

@@ -323,7 +323,8 @@ def _epoch(segment: list[Event], status: str | None, *, last: bool) -> list[str]
 def _accepted_once(run: RunView) -> list[str]:
     """Per epoch: at most one dispatch and one accepted outcome per (stage, attempt, item), one result per
     finaliser, each barrier released at most once; and a completed run released, in its last epoch,
-    exactly once every barrier it opened there."""
+    exactly once every barrier it opened there, but a bag that failed (a join that accepts a failed
+    branch let the run complete), which is never released."""
     found = []
     segments = epochs(run.history)
     for number, segment in enumerate(segments, start=1):
@@ -355,7 +356,9 @@ def _accepted_once(run: RunView) -> list[str]:
                 what = f"bag {name} released {released} times (dispatched {opened}){where}"
             else:
                 continue
-            if released > 1 or (last_and_completed and opened and released != 1):
+            failed_bag = stage.get("type") == "map" and run.record.get(f"s:{name}:status") == "failed"
+            expected = 0 if failed_bag else 1
+            if released > 1 or (last_and_completed and opened and released != expected):
                 found.append(what)
     return found
 
