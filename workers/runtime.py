@@ -446,7 +446,7 @@ class WorkerRuntime:
         started = time.perf_counter()
         try:
             with TRACE.span("handler", [envelope.message_id]):
-                outcome = await self._execute(envelope, pool, turn)
+                outcome = await self._execute(envelope, task, pool, turn)
         finally:
             if beating is not None:
                 beating.cancel()
@@ -511,12 +511,13 @@ class WorkerRuntime:
                 for report in message.ids:
                     TRACE.event("confirmed", report)
 
-    async def _execute(self, envelope: Envelope, pool: ThreadPoolExecutor, turn: Turn) -> Outcome:
+    async def _execute(
+        self, envelope: Envelope, task: TaskBody, pool: ThreadPoolExecutor, turn: Turn
+    ) -> Outcome:
         """Run the task's handler; ``turn`` is given back once the handler has returned, which for a
         cancelled thread-pool handler may be after this returns the cancelled outcome."""
         try:
             handler = self.handlers[envelope.contract or ""]  # _handle refused any other contract
-            task = TaskBody.of(envelope.body, envelope.message_id)
             try:
                 payload = handler.input_model.model_validate(task.input)
             except ValidationError as exc:

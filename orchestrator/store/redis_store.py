@@ -34,7 +34,6 @@ if TYPE_CHECKING:
 from orchestrator.store.spec import (
     Spec,
     bag_members,
-    bag_stages,
     barrier_stages,
     build_spec,
     ordered_items,
@@ -107,12 +106,9 @@ class RedisStore:
 
     async def _fcall(self, spec: Spec, keys: list[str]) -> list[Any]:
         started = time.perf_counter()
-        result = await self._fcall_once(spec, keys)
+        result = list(await self._function(spec.function, keys, [spec.encode()]))
         metrics.lua_call(spec.function, time.perf_counter() - started)
         return result
-
-    async def _fcall_once(self, spec: Spec, keys: list[str]) -> list[Any]:
-        return list(await self._function(spec.function, keys, [spec.encode()]))
 
     async def _function(self, base: str, keys: list[str], args: list[str]) -> Any:
         """FCALL this release's ``base`` function (every call into the library goes through here but
@@ -228,7 +224,8 @@ class RedisStore:
         now_ms: int,
     ) -> tuple[Spec, list[str]]:
         """The spec of one transition and the KEYS it touches."""
-        barriers, bags = barrier_stages(plan), bag_stages(plan)
+        barriers = barrier_stages(plan)
+        bags = [b for b in barriers if plan["stages"][b]["type"] == "map"]
         spec = build_spec(
             decision,
             run_id=run_id,

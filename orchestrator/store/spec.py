@@ -54,11 +54,6 @@ def barrier_stages(plan: Mapping[str, Any]) -> list[str]:
     return sorted(n for n, s in plan["stages"].items() if s["type"] in ("join", "map"))
 
 
-def bag_stages(plan: Mapping[str, Any]) -> list[str]:
-    """The maps of a plan, in a stable order: each has a bitmap and a results list beside its hash."""
-    return sorted(n for n, s in plan["stages"].items() if s["type"] == "map")
-
-
 def bag_members(in_hash: Mapping[str, str], results: Iterable[str]) -> dict[str, str]:
     """A map's arrived items (item index -> result JSON), from its hash (a bag opened in that form) and
     its results list."""

@@ -367,8 +367,11 @@ def barrier_members(r: redis.Redis, keys: ShardKeys, run_id: str, stage: str) ->
     """What arrived at a barrier, as ``RedisStore.barrier_members`` reads it: a join's branches (-> ''),
     a map's items (index -> result JSON) from its hash and its results list."""
     in_hash: dict[str, str] = r.hgetall(keys.barrier(run_id, stage))  # type: ignore[assignment]
-    results: list[str] = r.lrange(keys.bag_results(run_id, stage), 0, -1)  # type: ignore[assignment]
-    return bag_members(in_hash, results)
+    return bag_members(in_hash, _bag_results(r, keys, run_id, stage))
+
+
+def _bag_results(r: redis.Redis, keys: ShardKeys, run_id: str, stage: str) -> list[str]:
+    return r.lrange(keys.bag_results(run_id, stage), 0, -1)  # type: ignore[return-value]
 
 
 def _barriers(r: redis.Redis, prefix: str, run: RunView) -> list[str]:
@@ -387,24 +390,29 @@ def _barriers(r: redis.Redis, prefix: str, run: RunView) -> list[str]:
         if run.record.get(f"s:{name}:status") != "completed":
             continue
         expected = len(stage["required"]) if kind == "join" else int(run.record.get(f"s:{name}:items", "-1"))
-        members = len(barrier_members(r, keys, run.run_id, name))
+        in_hash: dict[str, str] = r.hgetall(keys.barrier(run.run_id, name))  # type: ignore[assignment]
+        results = _bag_results(r, keys, run.run_id, name) if kind == "map" else []
+        members = len(bag_members(in_hash, results))
         if kind == "map":
-            found += _bag_form(r, keys, run.run_id, name)
+            found += _bag_form(r, keys.bag_arrived(run.run_id, name), name, results)
         if int(counter) != 0 or members != expected:
             found.append(f"barrier {name} released with counter {counter} and {members}/{expected} members")
     return found
 
 
-def _bag_form(r: redis.Redis, keys: ShardKeys, run_id: str, stage: str) -> list[str]:
+def _bag_form(r: redis.Redis, bitmap: str, stage: str, results: list[str]) -> list[str]:
     """A bag's results list holds one entry per item, and its bitmap marks exactly those items."""
-    results: list[str] = r.lrange(keys.bag_results(run_id, stage), 0, -1)  # type: ignore[assignment]
     items = [int(entry.partition(":")[0]) for entry in results]
-    marked = int(r.bitcount(keys.bag_arrived(run_id, stage)))  # type: ignore[arg-type]
+    pipe = r.pipeline(transaction=False)
+    pipe.bitcount(bitmap)
+    for item in items:
+        pipe.getbit(bitmap, item)
+    marked, *bits = pipe.execute()
     found = []
     if len(set(items)) != len(items):
         found.append(f"barrier {stage}: an item's result listed twice ({len(items) - len(set(items))} extra)")
-    unmarked = [i for i in items if not r.getbit(keys.bag_arrived(run_id, stage), i)]
-    if marked != len(set(items)) or unmarked:
+    unmarked = [i for i, bit in zip(items, bits, strict=True) if not bit]
+    if int(marked) != len(set(items)) or unmarked:
         found.append(f"barrier {stage}: {marked} items marked arrived, {len(set(items))} results listed")
     return found
 

@@ -10,13 +10,15 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
 
 from orchestrator.compiler import CompiledPlan
 from orchestrator.engine import advance
-from orchestrator.engine.model import BarrierReleased
+from orchestrator.engine.model import BarrierReleased, RunSnapshot
+from orchestrator.store.keys import ShardKeys
 from orchestrator.store.redis_store import RedisStore, function_name
 from orchestrator.store.replies import APPLIED, DUPLICATE
 from orchestrator.store.spec import barrier_stages, build_spec
@@ -27,13 +29,24 @@ pytestmark = pytest.mark.services
 BOOKKEEPING_LIMIT = 64  # bytes of Redis per bag item while the run is live, results not counted
 
 
-async def bag_tasks(store: RedisStore) -> list[dict[str, Any]]:
-    """The bag's item tasks from the outbox, in item order; the outbox then marked sent (as the shard
-    does once the broker confirmed them)."""
+@dataclass(frozen=True)
+class Bag:
+    plan: CompiledPlan
+    keys: ShardKeys
+    tasks: list[dict[str, Any]]  # its item tasks, in item order
+    read: RunSnapshot  # the run as its items find it (arrivals commute: one read serves them all)
+
+
+async def open_bag(store: RedisStore, run_id: str, width: int) -> Bag:
+    """A thumbnail-batch run of ``width`` items started, its tasks taken from the outbox and marked sent
+    (as the shard does once the broker confirmed them)."""
+    plan = await started(store, "thumbnail-batch", {"modelIds": [f"m-{i}" for i in range(width)]}, run_id)
     outbox = await store.outbox(SHARD)
     tasks = sorted(outbox.values(), key=lambda t: t["body"]["item"])
     await store.mark_sent(SHARD, list(outbox))
-    return tasks
+    read = await store.snapshot(SHARD, run_id)
+    assert read is not None and len(tasks) == width
+    return Bag(plan, store.keys(SHARD), tasks, read)
 
 
 async def memory_usage(store: RedisStore, key: str) -> int:
@@ -46,11 +59,8 @@ def test_a_live_bag_keeps_at_most_64_bytes_of_bookkeeping_per_item(width: int) -
     async def test(store: RedisStore) -> None:
         # Given a started bag of `width` items
         run_id = f"run-bag-{width}"
-        plan = await started(store, "thumbnail-batch", {"modelIds": [f"m-{i}" for i in range(width)]}, run_id)
-        keys = store.keys(SHARD)
-        tasks = await bag_tasks(store)
-        assert len(tasks) == width
-        read = await store.snapshot(SHARD, run_id)
+        bag = await open_bag(store, run_id, width)
+        plan, keys, tasks, read = bag.plan, bag.keys, bag.tasks, bag.read
         run_before = await memory_usage(store, keys.run(run_id))
         applied_before = await store.client.scard(keys.applied(run_id))  # type: ignore[misc]
 
@@ -125,10 +135,8 @@ def test_a_bag_opened_in_its_hash_finishes_there_each_item_counted_once() -> Non
     async def test(store: RedisStore) -> None:
         # Given a bag of 6 whose first 3 items arrived in the barrier's hash (the earlier form)
         run_id = "run-bag-hash"
-        plan = await started(store, "thumbnail-batch", {"modelIds": [f"m-{i}" for i in range(6)]}, run_id)
-        keys = store.keys(SHARD)
-        tasks = await bag_tasks(store)
-        read = await store.snapshot(SHARD, run_id)
+        bag = await open_bag(store, run_id, 6)
+        plan, keys, tasks, read = bag.plan, bag.keys, bag.tasks, bag.read
         for task in tasks[:3]:
             assert await arrive_in_hash(store, plan.plan, run_id, task, read) == APPLIED
         assert await store.client.hlen(keys.barrier(run_id, "render-all")) == 3
@@ -164,10 +172,8 @@ def test_a_bag_in_both_forms_counts_each_item_once_and_releases_every_result() -
     async def test(store: RedisStore) -> None:
         # Given a bag of 6 whose items 0-2 arrived in the bitmap, then item 3 in a new hash
         run_id = "run-bag-both"
-        plan = await started(store, "thumbnail-batch", {"modelIds": [f"m-{i}" for i in range(6)]}, run_id)
-        keys = store.keys(SHARD)
-        tasks = await bag_tasks(store)
-        read = await store.snapshot(SHARD, run_id)
+        bag = await open_bag(store, run_id, 6)
+        plan, keys, tasks, read = bag.plan, bag.keys, bag.tasks, bag.read
 
         arrive = functools.partial(arrive_now, store, plan, run_id, read)
 

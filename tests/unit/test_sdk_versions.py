@@ -15,6 +15,7 @@ from pydantic import BaseModel
 from orchestrator.bus.envelope import Envelope, Signer
 from orchestrator.contracts import CONTRACT_ATTRIBUTE, CONTRACTS_ATTRIBUTE, ContractKind, Registry
 from orchestrator.errors import ContractError
+from orchestrator.wire.bodies import TaskBody
 from orchestrator.wire.kinds import Kind
 from workers.runtime import TaskContext, Turn, WorkerRuntime, worker_info
 from workers.sdk import (
@@ -306,7 +307,8 @@ def execute(handlers: dict[str, Handler], envelope: Envelope) -> Any:
             signer=Signer({"k": b"secret"}, "k"),
         )
         with ThreadPoolExecutor(max_workers=1) as pool:
-            return await runtime._execute(envelope, pool, Turn(runtime, None, False))
+            task = TaskBody.of(envelope.body, envelope.message_id)
+            return await runtime._execute(envelope, task, pool, Turn(runtime, None, False))
 
     return asyncio.run(go())
 

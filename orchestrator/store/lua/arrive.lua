@@ -33,7 +33,7 @@ local function saga_arrive(keys, args)
   -- A bag's item is looked for in both forms; it is added to the hash while the hash exists, so that
   -- a bag finishes in the form it began.
   local in_hash = is_null(a.bits) or redis.call('EXISTS', keys[a.k]) == 1
-  if redis.call('HEXISTS', keys[a.k], a.member) == 1
+  if (in_hash and redis.call('HEXISTS', keys[a.k], a.member) == 1)
     or (not is_null(a.bits) and redis.call('GETBIT', keys[a.bits], tonumber(a.member)) == 1) then
     return record_duplicate(keys, spec, a.stage)
   end
