@@ -57,7 +57,9 @@ class MemoryStore:
             for name, members in run.barriers.items()
             if all(k.isdigit() for k in members)
         }
-        snapshot = snapshot_from_record(run.record, maps)
+        # shared, as the shard's own reads are: the engine's property tests then hold the engine to
+        # changing no value of a snapshot in place
+        snapshot = snapshot_from_record(run.record, maps, shared=True)
         if not with_members:
             return snapshot
         arrivals = {name: frozenset(members) for name, members in run.barriers.items()}

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 
 from orchestrator.store.spec import json_field, snapshot_from_record
+from tests.unit.engine_sim import Sim
+from tests.unit.test_engine import compiled
 
 
 def test_a_large_field_is_parsed_once_and_equals_its_text() -> None:
@@ -38,3 +40,17 @@ def test_only_the_shards_snapshots_share_large_values() -> None:
     # what the client and the views hand to callers is their own to change
     first, again = snapshot_from_record(record, {}), snapshot_from_record(record, {})
     assert first.context == again.context and first.context is not again.context
+
+
+def test_a_bag_run_through_the_engine_leaves_its_shared_context_as_it_was_parsed() -> None:
+    """The engine reads shared values (the in-memory store's snapshots share them, as the shard's do):
+    a whole bag run, its context large enough to be shared, must not change any of them in place."""
+    plan = compiled("thumbnail-batch")
+    sim = Sim(plan.plan, plan.digest, run_id="run-shared", fail_items=frozenset({7}))
+    ids = [f"model-{i:04d}" for i in range(300)]
+    sim.start({"modelIds": ids})
+    sim.run()
+    text = sim.record["context"]
+    assert len(text) >= 2048  # shared, not parsed each time
+    assert json_field(text) == {"modelIds": ids} == json.loads(text)
+    assert sim.status in ("completed", "failed") and sim.kinds()[0] == "run.started"
