@@ -77,7 +77,9 @@ class ShardOptions:
     relay_interval_s: float = 5.0
     relay_min_age_ms: int = 2_000  # younger entries are most likely being published right now
     redis_retry_s: float = 0.5
-    timer_poll_s: float = 0.1  # how often the shard looks for due timers (retries, deadlines)
+    # how often the process looks for due timers (retries, deadlines) of every shard it serves, in one
+    # round trip for all of them; also how often an idle shard's loop checks that its channel is open
+    timer_poll_s: float = 0.1
     # A Redis step (a batch's reads and transitions, a mark-sent, a timer pass) slower than this means
     # Redis is gone even if no socket said so (a peer that vanished without a reset, a hung server): the
     # shard returns its deliveries and waits. One deadline per step, not per reply: a per-read socket
@@ -138,6 +140,17 @@ def _opened(message: AbstractIncomingMessage, max_bytes: int) -> list[_Delivery]
     return [_Delivery(message, payload, position) for position, payload in enumerate(payloads)]
 
 
+@dataclass(frozen=True)
+class _TimersDue:
+    """Put in a shard's inbox by the process's timer poll: the shard's timers that were due then. Firing
+    them in the shard's own loop keeps them in order with its deliveries and its publisher."""
+
+    members: list[str]
+
+
+_Inbox = asyncio.Queue[AbstractIncomingMessage | _TimersDue]
+
+
 @dataclass
 class ShardService:
     connection: AbstractRobustConnection
@@ -155,6 +168,8 @@ class ShardService:
     # for /readyz: the shards to serve (None: a follower's share not read yet), and those consumed now
     _share: set[str] | None = None
     _subscribed: set[str] = field(default_factory=set)
+    _inboxes: dict[str, _Inbox] = field(default_factory=dict)  # of the shards consumed now
+    _timers_queued: set[str] = field(default_factory=set)  # shards whose inbox holds due timers
 
     def __post_init__(self) -> None:
         limits = Limits(self.options.max_message_bytes, self.options.max_transition_bytes)
@@ -178,12 +193,16 @@ class ShardService:
         await self._wait_for_redis()
         await self.store.load_library()
         serving = {shard: asyncio.create_task(self._serve(shard)) for shard in self.shards}
+        timers = asyncio.create_task(self._poll_timers())
         follow = self.follow
         while follow is not None and not self._stopping.is_set():
             await self._follow(serving, follow)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stopping.wait(), self.options.map_poll_s)
         await asyncio.gather(*serving.values(), return_exceptions=True)
+        timers.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await timers
 
     async def _follow(
         self, serving: dict[str, asyncio.Task[None]], follow: Callable[[], Awaitable[list[str]]]
@@ -271,44 +290,65 @@ class ShardService:
         )
         # Passive: a shard queue that is not there (retired, or no topology applied) is an error here.
         queue = await channel.declare_queue(self.options.names.shard_queue(shard), passive=True)
-        inbox: asyncio.Queue[AbstractIncomingMessage] = asyncio.Queue()
+        inbox: _Inbox = asyncio.Queue()
         tag = await queue.consume(_traced(inbox.put) if TRACE.enabled else inbox.put, no_ack=False)
         metrics.shard_state(shard, active=False)  # until a delivery says this is the active consumer
         self._subscribed.add(shard)
         try:
             await self._relay(shard, publisher)
+            self._inboxes[shard] = inbox  # its timers are looked for from now on
             next_relay = time.monotonic() + self.options.relay_interval_s
-            next_timers = time.monotonic()
             next_reconcile = time.monotonic() + self.options.reconcile_interval_s
             while not self._left(shard):
                 if channel.is_closed:  # the connection dropped: nothing more will arrive on it
                     raise ChannelInvalidStateError(f"shard {shard}: its channel closed")
-                if time.monotonic() >= next_timers:
-                    await self._fire_timers(shard, publisher)
-                    await self._sample(shard)
-                    next_timers = time.monotonic() + self.options.timer_poll_s
+                await self._sample(shard)
                 if time.monotonic() >= next_reconcile:
                     await self._reconcile(shard, publisher)
                     next_reconcile = time.monotonic() + self.options.reconcile_interval_s
-                timeout = max(0.0, min(next_relay, next_timers) - time.monotonic())
-                try:
-                    first = await asyncio.wait_for(inbox.get(), timeout=timeout)
-                except TimeoutError:
-                    if time.monotonic() >= next_relay:
-                        await self._relay(shard, publisher)
-                        next_relay = time.monotonic() + self.options.relay_interval_s
-                    continue
-                batch = [first]
-                while len(batch) < self.options.batch_max and not inbox.empty():
-                    batch.append(inbox.get_nowait())
-                await self._process(shard, batch, publisher)
+                if time.monotonic() >= next_relay:
+                    await self._relay(shard, publisher)
+                    next_relay = time.monotonic() + self.options.relay_interval_s
+                timeout = min(self.options.timer_poll_s, max(0.0, next_relay - time.monotonic()))
+                batch, due = await self._next(inbox, timeout)
+                if batch:
+                    await self._process(shard, batch, publisher)
+                if due is not None:
+                    self._timers_queued.discard(shard)
+                    await self._fire_timers(shard, publisher, due.members)
         finally:
+            self._inboxes.pop(shard, None)
+            self._timers_queued.discard(shard)
             self._subscribed.discard(shard)
             self.processor.records.forget_shard(shard)  # served again later, it reads afresh
             metrics.shard_left(shard)
             with contextlib.suppress(Exception):
                 await queue.cancel(tag)
             await publisher.close()
+
+    async def _next(
+        self, inbox: _Inbox, timeout: float
+    ) -> tuple[list[AbstractIncomingMessage], _TimersDue | None]:
+        """The next batch of deliveries, and due timers if the poll found some; nothing after
+        ``timeout`` seconds without either. A busy shard takes its batch without a timed wait."""
+        if not inbox.empty():
+            first = inbox.get_nowait()
+        else:
+            try:
+                first = await asyncio.wait_for(inbox.get(), timeout=timeout)
+            except TimeoutError:
+                return [], None
+        batch: list[AbstractIncomingMessage] = []
+        due: _TimersDue | None = None
+        item: AbstractIncomingMessage | _TimersDue | None = first
+        while item is not None:
+            if isinstance(item, _TimersDue):
+                due = item
+            else:
+                batch.append(item)
+            more = len(batch) < self.options.batch_max and not inbox.empty()
+            item = inbox.get_nowait() if more else None
+        return batch, due
 
     async def _untracked_channel(self) -> AbstractChannel:
         return await untracked_channel(self.connection)
@@ -501,12 +541,34 @@ class ShardService:
                 )
         await message.nack(requeue=False)
 
-    async def _fire_timers(self, shard: str, publisher: Publisher) -> None:
+    async def _poll_timers(self) -> None:
+        """Look for the due timers of every shard this process consumes, in one round trip for all of
+        them, every ``timer_poll_s``, and hand each shard's to its loop. A shard whose last ones it has
+        not fired yet is skipped: it would only find them again."""
+        while not self._stopping.is_set():
+            await asyncio.sleep(self.options.timer_poll_s)
+            shards = [shard for shard in self._inboxes if shard not in self._timers_queued]
+            try:
+                async with asyncio.timeout(self.options.redis_timeout_s):
+                    found = await self.store.due_timers(shards, self.clock_ms())
+            except REDIS_DOWN:
+                continue  # each shard's loop notices Redis gone on its own, and waits for it
+            except Exception:
+                log.exception("looking for due timers failed; trying again in %ss", self.options.timer_poll_s)
+                continue
+            for shard, members in zip(shards, found, strict=True):
+                inbox = self._inboxes.get(shard)
+                if members and inbox is not None:
+                    self._timers_queued.add(shard)
+                    inbox.put_nowait(_TimersDue(members))
+
+    async def _fire_timers(self, shard: str, publisher: Publisher, members: list[str]) -> None:
         """Fire the shard's due timers. Every process serving the shard does this (a standby too): each
-        firing is a transition that claims its timer, so a timer acts once whoever fires it."""
+        firing is a transition that claims its timer, so a timer acts once whoever fires it (one found
+        due a moment ago and fired since by another process is a recognised duplicate)."""
         outgoing: list[Outgoing] = []
         async with asyncio.timeout(self.options.redis_timeout_s):
-            for member in await self.store.due_timers(shard, self.clock_ms()):
+            for member in members:
                 try:
                     outgoing += (await self.processor.fire_timer(shard, member)).publish
                 except REDIS_DOWN:

@@ -272,10 +272,16 @@ class RedisStore:
 
     # ---- timers ------------------------------------------------------------------------------------
 
-    async def due_timers(self, shard: str, now_ms: int, limit: int = 256) -> list[str]:
-        """Members of the shard's timer set due by ``now_ms``, earliest first."""
-        found = await self.client.zrangebyscore(self.keys(shard).timers(), "-inf", now_ms, start=0, num=limit)
-        return [_str(m) for m in found]
+    async def due_timers(self, shards: list[str], now_ms: int, limit: int = 256) -> list[list[str]]:
+        """Per shard, the members of its timer set due by ``now_ms``, earliest first: one round trip for
+        all of them (a process polls every shard it serves several times a second)."""
+        if not shards:
+            return []
+        async with self.client.pipeline(transaction=False) as pipe:
+            for shard in shards:
+                pipe.zrangebyscore(self.keys(shard).timers(), "-inf", now_ms, start=0, num=limit)
+            found = await pipe.execute()
+        return [[_str(m) for m in members] for members in found]
 
     async def timer_runs(self, shard: str) -> set[str]:
         """The runs of the shard that have a timer set."""
