@@ -295,17 +295,25 @@ class Publisher:
         underlay = await channel.get_underlay_channel()
         started = time.perf_counter()
         TRACE.event("sent", message_id)
-        confirmation = await underlay.basic_publish(
-            body,
-            exchange=exchange,
-            routing_key=routing_key,
-            properties=properties,
-            mandatory=mandatory,
-            wait=False,  # type: ignore[call-arg]  # the concrete aiormq channel takes it
-        )
+        try:
+            confirmation = await underlay.basic_publish(
+                body,
+                exchange=exchange,
+                routing_key=routing_key,
+                properties=properties,
+                mandatory=mandatory,
+                wait=False,  # type: ignore[call-arg]  # the concrete aiormq channel takes it
+            )
+        except aiormq.exceptions.PublishError:
+            raise  # returned unroutable: the channel is fine
+        except aiormq.exceptions.DeliveryError:
+            # aiormq raises a negative confirm (Basic.Nack) rather than returning it: the channel that
+            # was nacked is not published on again (see _renew)
+            await self._renew(channel)
+            raise
         metrics.publish_confirmed(time.perf_counter() - started)
         TRACE.event("confirmed", message_id)
-        if not isinstance(confirmation, spec.Basic.Ack):
+        if not isinstance(confirmation, spec.Basic.Ack):  # no confirm mode, or an aiormq that returns it
             await self._renew(channel)
             raise aiormq.exceptions.DeliveryError(None, confirmation)  # type: ignore[arg-type]
 

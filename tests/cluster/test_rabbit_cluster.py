@@ -125,6 +125,25 @@ def start_with_retries(stack: Stack, key: str, confirmed: list[str], deadline: f
         return
 
 
+def stuck_report(stack: Stack, run_ids: list[str]) -> str:
+    """What a run that did not finish last did and what the processes said of it, for the failure."""
+    lines = [f"queue depths: {stack.queue_depths()}"]
+    logs = {name: stack.log(name) for name in ("orch-a", "orch-b", "worker-a", "worker-b")}
+    for run_id in run_ids:
+        record = stack.record(run_id)
+        if record.get("status") in ("completed", "failed", "cancelled"):
+            continue
+        lines.append(f"run {run_id}: {json.dumps(record)[:600]}")
+        for event in stack.history(run_id)[-8:]:
+            lines.append(f"  {json.dumps(event)[:300]}")
+        for name, text in logs.items():
+            lines += [f"  {name}: {line[:300]}" for line in text.splitlines() if run_id in line][-6:]
+    for name, text in logs.items():  # what each process said of the broker, whichever run it was about
+        said = [line for line in text.splitlines() if " WARNING " in line or " ERROR " in line]
+        lines += [f"  {name} said: {line[:240]}" for line in said[-25:]]
+    return "\n".join(lines)
+
+
 def test_quorum_queues_are_replicated_on_every_node(stack: Stack, rabbit_cluster: LocalRabbitCluster) -> None:
     everyone = sorted(node.name for node in rabbit_cluster.nodes)
     rows = queue_rows(stack, "type", "members")
@@ -176,7 +195,7 @@ def test_a_node_killed_under_load_loses_no_confirmed_message(
     assert not starter.is_alive(), "the starts did not finish"
     assert len(confirmed) == RUNS and len(set(confirmed)) == RUNS
     left = invariants.wait_for_convergence(stack.redis, stack.prefix, confirmed, timeout_s=90)
-    assert left == [], f"{len(left)} runs did not finish, e.g. {left[:3]}"
+    assert left == [], f"{len(left)} runs did not finish, e.g. {left[:3]}\n{stuck_report(stack, confirmed)}"
     for run_id in confirmed:
         assert stack.record(run_id)["status"] == "completed", run_id
     invariants.assert_no_violations(

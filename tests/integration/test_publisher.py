@@ -7,11 +7,14 @@ import uuid
 from collections.abc import Iterator
 
 import aio_pika
+import aio_pika.abc
+import aiormq.exceptions
 import pytest
+from pamqp import commands as spec
 
 from orchestrator.bus.envelope import Signer, decode
 from orchestrator.bus.names import Names
-from orchestrator.bus.publisher import Publisher
+from orchestrator.bus.publisher import PUBLISH_ATTEMPTS, Publisher
 from orchestrator.wire.outgoing import Outgoing
 from tests.integration.stack import Stack
 
@@ -145,3 +148,45 @@ def test_a_queue_declared_with_other_arguments_still_gets_its_tasks_and_the_chan
 
     confirmed, waiting, closed = asyncio.run(go())
     assert confirmed == [first.message_id, second.message_id] and waiting == 2 and not closed
+
+
+def test_a_nacked_publish_moves_the_publisher_to_a_fresh_channel(stack: Stack) -> None:
+    """RabbitMQ nacks a publish to a full queue that rejects on overflow. It also nacks (on 3.10) a
+    channel's publish to a quorum queue electing a leader, and then every later one on that channel:
+    every nacked publish must leave the publisher on another channel, and an unroutable one must not."""
+    signer = Signer.from_settings(stack.settings.signing_keys)
+    queue_name = f"saga.test.full.{uuid.uuid4().hex[:8]}"
+
+    async def go() -> tuple[int, bool, bool]:
+        connection = await aio_pika.connect(stack.settings.amqp_url)
+        opened = 0
+
+        async def fresh() -> aio_pika.abc.AbstractChannel:
+            nonlocal opened
+            opened += 1
+            return await connection.channel(publisher_confirms=True, on_return_raises=True)
+
+        try:
+            channel = await fresh()
+            arguments = {"x-max-length": 1, "x-overflow": "reject-publish"}
+            await channel.declare_queue(queue_name, durable=True, arguments=arguments)
+            publisher = Publisher(channel, signer, NAMES, renew_with=fresh)
+            await publisher.publish_bytes(b"first", "m-1", "", queue_name)  # fills the queue
+            assert publisher.channel is channel
+            with pytest.raises(aiormq.exceptions.DeliveryError) as nacked:
+                await publisher.publish_bytes(b"second", "m-2", "", queue_name)
+            renewed = publisher.channel is not channel and not publisher.channel.is_closed
+            before = publisher.channel
+            with pytest.raises(aiormq.exceptions.PublishError):
+                await publisher.publish_bytes(b"nowhere", "m-3", "", f"{queue_name}.missing")
+            await before.queue_delete(queue_name)
+            await publisher.close()
+            assert isinstance(nacked.value.frame, spec.Basic.Nack)
+            return opened, renewed, publisher.channel is before
+        finally:
+            await connection.close()
+
+    opened, renewed, kept_for_unroutable = asyncio.run(go())
+    # the first channel, then one per nacked try (the publish is tried PUBLISH_ATTEMPTS times)
+    assert renewed and opened == 1 + PUBLISH_ATTEMPTS
+    assert kept_for_unroutable
