@@ -295,8 +295,12 @@ class BindingSyntaxError(ValueError):
     """Raised for a ``${`` without its closing ``}``."""
 
 
+@lru_cache(maxsize=4096)
 def parse_template(text: str) -> Binding | str:
-    """Split a string into literal text and ``${expr}`` parts; ``$${`` writes a literal ``${``."""
+    """Split a string into literal text and ``${expr}`` parts; ``$${`` writes a literal ``${``.
+
+    Cached: the engine binds a plan's same few templates on every transition, and the parts are
+    immutable."""
     if "${" not in text:
         return text
     parts: list[str | Expr] = []
