@@ -17,6 +17,9 @@ What the engine decides for each event:
   own handler's breach; the schema errors are in history.
 * ``BarrierReleased``: once the barrier has counted every member, the join or map stage completes and
   its ``on_success`` route is entered.
+* ``BagRefill``: a bag larger than ``Limits.bag_window`` sends its items a window at a time; the arrival
+  that leaves half a window of them in flight emits a refill (one per chunk, a deterministic id), which
+  sends the next chunk while the bag is still open under the same fence.
 * ``FinaliserResult`` (``CompensationResult``): the outcome is recorded and the next finaliser
   (compensation) dispatched, or the run finishes; a success whose result breaks its contract is a failure.
 
@@ -37,6 +40,7 @@ from orchestrator.engine.model import (
     FENCED_OFF,
     RUN,
     Arrival,
+    BagRefill,
     BarrierReleased,
     CancelRun,
     Clock,
@@ -48,6 +52,7 @@ from orchestrator.engine.model import (
     Key,
     Nudge,
     Redrive,
+    Refill,
     RunSnapshot,
     RunStatus,
     StageAccepted,
@@ -223,6 +228,9 @@ def _map_item(step: Step, stage: Mapping[str, Any], rec: StageRecord, event: Sta
         )
     if event.item is None or event.item < 0 or (rec.items is not None and event.item >= rec.items):
         return rejected(Verdict.INVALID, "a map item result must name its item", event.stage)
+    if rec.sent is not None and event.item >= rec.sent:
+        why = f"item {event.item} was not sent yet (the bag has sent items 0 to {rec.sent - 1})"
+        return rejected(Verdict.INVALID, why, event.stage, event.attempt)
     current = step.run.item_attempts.get(f"{event.stage}:{event.item}", 1)
     if event.attempt != current:
         why = f"item {event.item} attempt {event.attempt} is not the current {current}"
@@ -247,7 +255,48 @@ def _map_item(step: Step, stage: Mapping[str, Any], rec: StageRecord, event: Sta
     step.expect(RUN, "intent", None)
     step.expect(Key("stage", event.stage), "status", rec.status.value)
     release = step.release(event.stage, rec.fence)
-    step.arrival = Arrival(Key("barrier", event.stage), str(event.item), release, result=dumps(event.result))
+    step.arrival = Arrival(
+        Key("barrier", event.stage),
+        str(event.item),
+        release,
+        result=dumps(event.result),
+        refill=_refill_due(step, event.stage, rec),
+    )
+    return step.decision()
+
+
+def _refill_due(step: Step, name: str, rec: StageRecord) -> Refill | None:
+    """A chunked bag with items still to send: its next chunk goes out with the arrival that leaves half
+    a window of the sent items in flight. The arrival holds only while the bag has sent what we read (a
+    refill applied meanwhile moves the mark: the arrival is decided again)."""
+    if rec.sent is None or rec.items is None or rec.sent >= rec.items:
+        return None
+    step.expect(Key("stage", name), "sent", str(rec.sent))
+    at = rec.sent - step.limits.bag_window // 2
+    return Refill(at, rec.items, step.refill(name, rec.fence, rec.sent))
+
+
+def _bag_refill(step: Step, event: BagRefill) -> Decision:
+    run = step.run
+    rec = run.stages.get(event.stage)
+    stage = step.plan["stages"].get(event.stage)
+    if stage is None or rec is None or stage["type"] != "map":
+        return rejected(Verdict.INVALID, f"{event.stage!r} is not a bag of this run", event.stage)
+    if run.intent is not None:
+        return rejected(Verdict.LATE, f"the run already has the {run.intent.value} intent", event.stage)
+    if rec.fence != event.fence:
+        return rejected(Verdict.STALE, f"fence {event.fence} is not the current {rec.fence}", event.stage)
+    if rec.status not in ACTIVE_STAGE_STATUSES:
+        return rejected(Verdict.DUPLICATE, f"the bag is already {rec.status.value}", event.stage)
+    if event.message_id != ids.refill_id(run.run_id, event.stage, event.fence, event.sent):
+        why = f"message {event.message_id} is not the refill of bag {event.stage!r} from item {event.sent}"
+        return rejected(Verdict.INVALID, why, event.stage)
+    if rec.sent != event.sent:
+        why = f"the bag has sent {rec.sent} of its {rec.items} items; this refill was for {event.sent}"
+        return rejected(Verdict.DUPLICATE, why, event.stage)
+    step.guard(event.stage, rec)
+    step.expect(Key("stage", event.stage), "sent", str(event.sent))
+    step.send_items(event.stage, stage, rec, event.sent)
     return step.decision()
 
 
@@ -377,6 +426,7 @@ def _not_a_report(message_id: str, task: str, label: str, attempt: int | None) -
 _HANDLERS: dict[type, Callable[[Step, Any], Decision]] = {
     StageResult: _stage_result,
     BarrierReleased: _barrier_released,
+    BagRefill: _bag_refill,
     FinaliserResult: _finaliser_result,
     CompensationResult: _compensation_result,
     StageAccepted: liveness.accepted,

@@ -101,6 +101,8 @@ class Builder:
             fields["error"] = record.error
         if record.items is not None:
             fields["items"] = str(record.items)
+        if record.sent is not None:
+            fields["sent"] = str(record.sent)
         if record.completed_at is not None:
             fields["done_at"] = str(record.completed_at)
         self.write(Key("stage", name), **fields)
@@ -236,6 +238,15 @@ class Builder:
             Kind.RELEASE,
             ("shard", self.run.shard),
             bodies.attempt(self.run.run_id, barrier, fence),
+        )
+
+    def refill(self, bag: str, fence: str, sent: int) -> Outgoing:
+        """The continuation a chunked bag sends itself for its next chunk, the items from ``sent`` on."""
+        return Outgoing(
+            ids.refill_id(self.run.run_id, bag, fence, sent),
+            Kind.REFILL,
+            ("shard", self.run.shard),
+            bodies.refill(self.run.run_id, bag, fence, sent),
         )
 
     def request_cancel(self, name: str, fence: str, cause: str = "") -> None:

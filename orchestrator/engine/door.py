@@ -124,6 +124,9 @@ def _stage_problem(step: Step, name: str, stage: Mapping[str, Any]) -> str | Non
         if not isinstance(items, list) or not items:
             return None
         inputs = [step.bind_input(name, stage, item=item, index=i) for i, item in enumerate(items)]
-        return step.bag_problem([step.stage_task(name, stage, 1, fence, p, i) for i, p in enumerate(inputs)])
+        tasks = [step.stage_task(name, stage, 1, fence, p, i) for i, p in enumerate(inputs)]
+        window = step.limits.bag_window  # a bag sends a window of tasks in one transition
+        problems = (step.bag_problem(tasks[i : i + window], i) for i in range(0, len(tasks), window))
+        return next((p for p in problems if p is not None), None)
     except BindingError:
         return None  # it reads stage results (or fails to bind): its dispatch decides

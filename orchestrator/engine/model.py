@@ -154,6 +154,17 @@ class BarrierReleased:
 
 
 @dataclass(frozen=True)
+class BagRefill:
+    """The continuation a bag sending its items in chunks emits when enough of them arrived: send the
+    items from ``sent`` on (the next chunk)."""
+
+    message_id: str
+    stage: str
+    fence: str
+    sent: int
+
+
+@dataclass(frozen=True)
 class FinaliserResult:
     message_id: str
     index: int
@@ -202,6 +213,7 @@ Event = (
     StartRun
     | StageResult
     | BarrierReleased
+    | BagRefill
     | FinaliserResult
     | StageAccepted
     | StageHeartbeat
@@ -223,7 +235,10 @@ class StageRecord:
     fence: str
     result: Any = None
     error: str | None = None
-    items: int | None = None  # a map stage: how many items it dispatched
+    items: int | None = None  # a map stage: how many items it has
+    # a map stage sending its items in chunks: how many it has sent (the rest come with refills);
+    # None: it sent them all at once
+    sent: int | None = None
     completed_at: int | None = None  # stages with a compensation: when it completed (the undo order)
 
 
@@ -299,12 +314,33 @@ class BarrierInit:
 @dataclass(frozen=True)
 class Arrival:
     """A branch or item arriving at a barrier: counted once per distinct member; the last arrival
-    appends ``release`` to the outbox. ``result`` (items only) is stored under the member."""
+    appends ``release`` to the outbox. ``result`` (items only) is stored under the member.
+    ``refill``: a bag still to send items, whose arrival that is the ``at``-th appends its refill."""
 
     key: Key
     member: str
     release: Outgoing
     result: str | None = None
+    refill: Refill | None = None
+
+    def continuations(self, remaining: int) -> list[Outgoing]:
+        """What the store appended to the outbox with this arrival, which left ``remaining`` members to
+        come: the release after the last one, a bag's refill after its ``at``-th."""
+        sent = [self.release] if remaining == 0 else []
+        if self.refill is not None and self.refill.items - remaining == self.refill.at:
+            sent.append(self.refill.message)
+        return sent
+
+
+@dataclass(frozen=True)
+class Refill:
+    """A bag's next chunk: ``message`` (a ``bag.refill`` to its own shard) goes out with the arrival
+    that makes ``at`` of its ``items`` arrived, which happens exactly once (the count moves once per
+    distinct item)."""
+
+    at: int
+    items: int
+    message: Outgoing
 
 
 @dataclass(frozen=True)

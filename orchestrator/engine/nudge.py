@@ -105,11 +105,16 @@ def _resend_work(step: Step) -> None:
 def _items_again(
     step: Step, name: str, stage: Mapping[str, Any], rec: StageRecord
 ) -> list[Outgoing] | _CannotSend:
-    """The tasks of a bag's items that have not arrived, each under its current attempt (same ids: an
-    item that was only slow becomes a duplicate)."""
+    """The tasks of a bag's items sent and not arrived, each under its current attempt (same ids: an
+    item that was only slow becomes a duplicate), and a chunked bag's refill once it is due (a refill
+    already applied is refused as a duplicate)."""
     step.guard(name, rec)
     arrived = step.run.arrivals.get(name, frozenset())
-    missing = [i for i in range(rec.items or 0) if str(i) not in arrived]
+    sent = rec.sent if rec.sent is not None else (rec.items or 0)
+    missing = [i for i in range(sent) if str(i) not in arrived]
+    refill = []
+    if rec.items is not None and sent < rec.items and len(arrived) >= sent - step.limits.bag_window // 2:
+        refill = [step.refill(name, rec.fence, sent)]
     try:
         items = bind(stage["items"], step.variables(), None, f"{name}.items")
         payloads = [step.bind_input(name, stage, item=items[i], index=i) for i in missing]
@@ -123,7 +128,7 @@ def _items_again(
         if problem is not None:
             return _CannotSend(f"the task of item {index} cannot be sent: {problem}", attempt, index)
         tasks.append(task)
-    return tasks
+    return tasks + refill
 
 
 def _task_again(

@@ -8,6 +8,7 @@ entered in one transition lands in the same Decision, which the store applies at
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from orchestrator.dsl.binding import bind, evaluate
@@ -162,30 +163,68 @@ class Step(Ending):
             self.record("stage.completed", name, 1, items=0)
             self.enter(name, stage["on_success"])
             return
-        inputs = []
-        for index, item in enumerate(items):
-            try:
-                inputs.append(self.bind_input(name, stage, item=item, index=index))
-            except BindingError as exc:
-                self.fail_to_start(name, stage, str(exc))
-                return
-        tasks = [self.stage_task(name, stage, 1, fence, payload, i) for i, payload in enumerate(inputs)]
-        problem = self.bag_problem(tasks)
-        if problem is not None:
-            self.fail_to_start(name, stage, problem, "size")
+        # a bag larger than the window sends its first chunk now, the rest as items arrive (refill)
+        sent = min(len(items), self.limits.bag_window)
+        tasks = self._item_tasks(name, stage, fence, items, 0, sent)
+        if isinstance(tasks, _Unsendable):
+            self.fail_to_start(name, stage, tasks.error, tasks.reason)
             return
-        self.set_stage(name, StageRecord(StageStatus.DISPATCHED, 1, fence, items=len(items)))
+        chunked = sent < len(items)
+        record = StageRecord(
+            StageStatus.DISPATCHED, 1, fence, items=len(items), sent=sent if chunked else None
+        )
+        self.set_stage(name, record)
+        if not chunked and previous is not None and previous.sent is not None:
+            self.removes.append((Key("stage", name), "sent"))  # chunked in an earlier epoch
         self.barriers.append(BarrierInit(Key("barrier", name), len(items)))
         self.outgoing += tasks
-        self.record("stage.dispatched", name, 1, items=len(items), queue=stage["queue"])
+        self.record(
+            "stage.dispatched", name, 1, items=len(items), queue=stage["queue"], **_chunk(sent, items)
+        )
         if stage.get("execution_deadline_ms"):  # a bag has one clock: from dispatch to its last item
             self.set_timer(Clock.EXECUTION, name, fence, stage["execution_deadline_ms"])
 
-    def bag_problem(self, tasks: list[Outgoing]) -> str | None:
+    def send_items(self, name: str, stage: Mapping[str, Any], rec: StageRecord, start: int) -> None:
+        """A chunked bag's next chunk: the items from ``start`` on, a window of them at most. Items that
+        cannot be bound or sent now fail the bag, as they would have at its start."""
+        try:
+            items = bind(stage["items"], self.variables(), None, f"{name}.items")
+        except BindingError as exc:
+            items = exc
+        if not isinstance(items, list) or len(items) != rec.items:
+            why = f"items no longer gives the {rec.items} entries the bag began with ({items})"
+            self.record("stage.failed", name, rec.attempt, error=why, reason="binding")
+            self.fail_attempt(name, stage, rec, why, retryable=False)
+            return
+        stop = min(len(items), start + self.limits.bag_window)
+        tasks = self._item_tasks(name, stage, rec.fence, items, start, stop)
+        if isinstance(tasks, _Unsendable):
+            self.record("stage.failed", name, rec.attempt, error=tasks.error, reason=tasks.reason)
+            self.fail_attempt(name, stage, rec, tasks.error, retryable=False)
+            return
+        self.set_stage(name, StageRecord(rec.status, rec.attempt, rec.fence, items=rec.items, sent=stop))
+        self.outgoing += tasks
+        self.record("items.dispatched", name, rec.attempt, first=start, last=stop - 1, of=rec.items)
+
+    def _item_tasks(
+        self, name: str, stage: Mapping[str, Any], fence: str, items: list[Any], start: int, stop: int
+    ) -> list[Outgoing] | _Unsendable:
+        """The first-attempt tasks of items ``start`` to ``stop`` - 1, or why they cannot be sent."""
+        tasks = []
+        for index in range(start, stop):
+            try:
+                payload = self.bind_input(name, stage, item=items[index], index=index)
+            except BindingError as exc:
+                return _Unsendable(str(exc), "binding")
+            tasks.append(self.stage_task(name, stage, 1, fence, payload, index))
+        problem = self.bag_problem(tasks, start)
+        return tasks if problem is None else _Unsendable(problem, "size")
+
+    def bag_problem(self, tasks: list[Outgoing], first: int = 0) -> str | None:
         """Why a map's item tasks cannot be sent (None: they can): one is too large for a message, or
         together they are too large for the one transition that sends them all."""
         total = 0
-        for index, task in enumerate(tasks):
+        for index, task in enumerate(tasks, first):
             size = sizes.body_bytes(task.body)
             if size > self.limits.max_body_bytes:
                 return f"the task of item {index} cannot be sent: {sizes.too_big(task.body, self.limits)}"
@@ -296,3 +335,16 @@ class Step(Ending):
         self.set_stage(name, StageRecord(StageStatus.FAILED, 1, fence, error=error))
         self.record("stage.failed", name, 1, error=error, reason=reason)
         self.enter(name, stage["on_failure"], "failed", error)
+
+
+@dataclass(frozen=True)
+class _Unsendable:
+    """Why a bag's tasks cannot be sent: ``reason`` binding (an input) or size (a message, a chunk)."""
+
+    error: str
+    reason: str
+
+
+def _chunk(sent: int, items: list[Any]) -> dict[str, int]:
+    """The history detail of a bag entered in chunks: how many items it sent at once."""
+    return {"sent": sent} if sent < len(items) else {}

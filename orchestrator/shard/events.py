@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from orchestrator.bus.envelope import Envelope
 from orchestrator.engine.model import (
+    BagRefill,
     BarrierReleased,
     CancelRun,
     CompensationResult,
@@ -43,6 +44,11 @@ def to_event(envelope: Envelope) -> Event | str:
         return kind(envelope.message_id, envelope.stage, attempt, envelope.fence, envelope.digest)
     if envelope.kind is Kind.RELEASE:
         return BarrierReleased(envelope.message_id, envelope.stage, envelope.fence)
+    if envelope.kind is Kind.REFILL:
+        sent = envelope.body.get("sent")
+        if not isinstance(sent, int) or isinstance(sent, bool) or sent < 0:
+            return f"a bag.refill must name the item it sends from ('sent'), not {sent!r}"
+        return BagRefill(envelope.message_id, envelope.stage, envelope.fence, sent)
     if envelope.kind is not Kind.RESULT:
         return f"{envelope.kind.value} messages are not for shard queues"
     if not envelope.digest:

@@ -43,7 +43,7 @@ from orchestrator.wire.sizes import DEFAULT_LIMITS, Limits
 
 # Kinds that continue an existing run on its shard (everything but a start).
 CONTINUES = frozenset(
-    {Kind.RESULT, Kind.RELEASE, Kind.ACCEPTED, Kind.HEARTBEAT, Kind.CANCEL_RUN, Kind.REDRIVE}
+    {Kind.RESULT, Kind.RELEASE, Kind.REFILL, Kind.ACCEPTED, Kind.HEARTBEAT, Kind.CANCEL_RUN, Kind.REDRIVE}
 )
 
 MAX_CONFLICT_RETRIES = 8
@@ -507,6 +507,6 @@ def _to_publish(decision: Decision, code: int, detail: str) -> list[Outgoing]:
     if code != APPLIED:
         return []
     messages = list(decision.outgoing)
-    if decision.arrival is not None and detail == "0":
-        messages.append(decision.arrival.release)  # this arrival was the last: release the successor
+    if decision.arrival is not None:  # the store's reply to an arrival: how many members are to come
+        messages += decision.arrival.continuations(int(detail))
     return messages

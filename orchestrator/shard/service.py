@@ -43,6 +43,7 @@ from orchestrator.reconcile import Reconciler
 from orchestrator.shard.processor import Outcome, Processor
 from orchestrator.store.redis_store import RedisStore
 from orchestrator.trace import TRACE
+from orchestrator.wire.kinds import Kind
 from orchestrator.wire.outgoing import Outgoing
 from orchestrator.wire.sizes import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_MAX_TRANSITION_BYTES, Limits
 
@@ -59,6 +60,10 @@ REDIS_DOWN = (
     OSError,
     TimeoutError,
 )
+
+
+# Continuations a shard sends itself (a barrier's release, a bag's refill): applied in-process.
+_LOCAL_KINDS = frozenset({Kind.RELEASE.value, Kind.REFILL.value})
 
 
 def now_ms() -> int:
@@ -397,14 +402,14 @@ class ShardService:
     async def _continue_locally(
         self, shard: str, outgoing: list[Outgoing]
     ) -> tuple[list[Outgoing], list[str]]:
-        """Apply continuations addressed to this very shard (barrier releases) here and now instead of a
-        round trip through the broker. They stay in the outbox until applied, so a crash in between
-        leaves them for the relay, and the id makes a re-published one a recognised duplicate."""
+        """Apply continuations addressed to this very shard (barrier releases, bag refills) here and now,
+        not after a round trip through the broker. They stay in the outbox until applied, so a crash in
+        between leaves them for the relay, and the id makes a re-published one a recognised duplicate."""
         done: list[str] = []
         for _ in range(
             8
         ):  # a release can cause another (nested joins); bounded, the rest goes via the broker
-            local = [m for m in outgoing if m.route == ("shard", shard) and m.kind == "barrier.released"]
+            local = [m for m in outgoing if m.route == ("shard", shard) and m.kind in _LOCAL_KINDS]
             if not local:
                 break
             outgoing = [m for m in outgoing if m not in local]

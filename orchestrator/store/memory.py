@@ -142,6 +142,9 @@ class MemoryStore:
         run.record[a["counter"]] = str(remaining)
         if remaining == 0:
             self.outbox[a["release"][0]] = a["release"][1]
+        refill = a.get("refill")
+        if refill is not None and refill[1] - remaining == refill[0]:
+            self.outbox[refill[2][0]] = refill[2][1]
         self._history(run, body)
         return APPLIED, str(remaining)
 

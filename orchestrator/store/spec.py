@@ -146,6 +146,13 @@ def build_spec(
             "value": a.result or "",
             "release": [a.release.message_id, outbox_payload(a.release, run_id, now_ms)],
         }
+        if a.refill is not None:  # the arrival that makes ``at`` arrived appends the bag's refill
+            r = a.refill
+            body["arrival"]["refill"] = [
+                r.at,
+                r.items,
+                [r.message.message_id, outbox_payload(r.message, run_id, now_ms)],
+            ]
         if a.key.name in bag_index:
             body["arrival"]["bits"] = bag_index[a.key.name]
             body["arrival"]["list"] = bag_index[a.key.name] + 1
@@ -242,6 +249,7 @@ def snapshot_from_record(
             result=parse(fields["result"]) if "result" in fields else None,
             error=fields.get("error"),
             items=int(fields["items"]) if "items" in fields else None,
+            sent=int(fields["sent"]) if "sent" in fields else None,
             completed_at=int(fields["done_at"]) if "done_at" in fields else None,
         )
         for name, fields in stage_fields.items()

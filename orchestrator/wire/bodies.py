@@ -144,6 +144,11 @@ def attempt(run_id: str, stage: str, fence: str) -> dict[str, Any]:
     return {"run_id": run_id, "stage": stage, "fence": fence}
 
 
+def refill(run_id: str, stage: str, fence: str, sent: int) -> dict[str, Any]:
+    """A bag's refill (to its own shard): the items from ``sent`` on are the next to send."""
+    return {"run_id": run_id, "stage": stage, "fence": fence, "sent": sent}
+
+
 def finished(run_id: str, definition: str, state: str, output: Any, reason: str | None) -> dict[str, Any]:
     """A run's end, as saga.events announces it."""
     return {"run_id": run_id, "definition": definition, "state": state, "output": output, "reason": reason}

@@ -129,3 +129,9 @@ def is_heartbeat_id(candidate: str, run_id: str, stage: str, fence: str) -> bool
 def release_id(run_id: str, stage: str, fence: str) -> str:
     """The id of the continuation a barrier emits when its last member arrives."""
     return message_id("release", run_id, stage, fence)
+
+
+def refill_id(run_id: str, stage: str, fence: str, sent: int) -> str:
+    """The id of the continuation a bag emits once half the items it sent beyond ``sent`` - window
+    arrived: it sends the next chunk, once (a bag sends each chunk under its own id)."""
+    return message_id("refill", run_id, stage, fence, str(sent))

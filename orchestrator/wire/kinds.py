@@ -10,6 +10,7 @@ class Kind(StrEnum):
     TASK = "task"  # shard -> worker: run one attempt of a stage (or one map item, or a finaliser)
     RESULT = "result"  # worker -> shard: the attempt's outcome
     RELEASE = "barrier.released"  # shard -> shard: a join or map barrier released its successor
+    REFILL = "bag.refill"  # shard -> shard: a bag's window of items in flight may take the next chunk
     FINISHED = "run.finished"  # shard -> saga.events: the run reached completed or failed
     CANCEL = "cancel"  # shard -> saga.events: cooperative cancellation of an attempt
     ACCEPTED = "accepted"  # worker -> shard: an attempt with deadlines started (stops its queue clock)

@@ -25,6 +25,10 @@ MAX_ERROR_CHARS = 2000
 
 
 DEFAULT_MAX_TRANSITION_BYTES = 64 * 1_048_576
+# A bag sends at most this many item tasks at once, and the next chunk as half of them have arrived:
+# entering a bag of 10,000 items costs a transition of 1,000 tasks, not one of 10,000, and its outbox
+# and queue hold at most 1.5 windows of tasks at a time.
+DEFAULT_BAG_WINDOW = 1_000
 
 
 @dataclass(frozen=True)
@@ -35,6 +39,7 @@ class Limits:
 
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     max_transition_bytes: int = DEFAULT_MAX_TRANSITION_BYTES
+    bag_window: int = DEFAULT_BAG_WINDOW  # item tasks of one bag in one transition (at least 2)
 
     @property
     def max_body_bytes(self) -> int:

@@ -436,13 +436,18 @@ def task_counts(run: RunView) -> tuple[Counter[str], Counter[str]]:
             (dispatched if e.kind == "finaliser.dispatched" else succeeded)[contract] += 1
             continue
         stage = stages.get(e.stage, {})
-        if e.kind not in ("stage.dispatched", "stage.completed") or stage.get("type") not in WORK_STAGES:
+        kinds = ("stage.dispatched", "items.dispatched", "stage.completed")
+        if e.kind not in kinds or stage.get("type") not in WORK_STAGES:
             continue
-        tasks = int(e.detail.get("items", 1)) if e.kind == "stage.dispatched" else 1
+        tasks = 1
+        if e.kind == "stage.dispatched":  # a bag sent in chunks sent its first one ("sent") at once
+            tasks = int(e.detail.get("sent", e.detail.get("items", 1)))
+        elif e.kind == "items.dispatched":  # and each later one with a refill
+            tasks = int(e.detail["last"]) - int(e.detail["first"]) + 1
         if e.kind == "stage.completed" and stage["type"] == "map":
             tasks = int(run.record.get(f"s:{e.stage}:items", "0"))  # an empty bag completes with no task
         contract = _contract(stage.get("action") or stage["worker"])
-        (dispatched if e.kind == "stage.dispatched" else succeeded)[contract] += tasks
+        (succeeded if e.kind == "stage.completed" else dispatched)[contract] += tasks
     return dispatched, succeeded
 
 

@@ -17,11 +17,12 @@ import pytest
 
 from orchestrator.compiler import CompiledPlan
 from orchestrator.engine import advance
-from orchestrator.engine.model import BarrierReleased, RunSnapshot
+from orchestrator.engine.model import BagRefill, BarrierReleased, RunSnapshot
 from orchestrator.store.keys import ShardKeys
 from orchestrator.store.redis_store import RedisStore, function_name
 from orchestrator.store.replies import APPLIED, DUPLICATE
 from orchestrator.store.spec import barrier_stages, build_spec
+from orchestrator.wire.sizes import DEFAULT_BAG_WINDOW
 from tests.integration.test_store import NOW, SHARD, redis_apply, started, task_result, with_store
 
 pytestmark = pytest.mark.services
@@ -33,20 +34,39 @@ BOOKKEEPING_LIMIT = 64  # bytes of Redis per bag item while the run is live, res
 class Bag:
     plan: CompiledPlan
     keys: ShardKeys
-    tasks: list[dict[str, Any]]  # its item tasks, in item order
+    tasks: list[dict[str, Any]]  # its item tasks sent so far, in item order
     read: RunSnapshot  # the run as its items find it (arrivals commute: one read serves them all)
 
 
 async def open_bag(store: RedisStore, run_id: str, width: int) -> Bag:
-    """A thumbnail-batch run of ``width`` items started, its tasks taken from the outbox and marked sent
-    (as the shard does once the broker confirmed them)."""
+    """A thumbnail-batch run of ``width`` items started, its tasks (its first chunk, if it is wider than
+    a window) taken from the outbox and marked sent (as the shard does once the broker confirmed them)."""
     plan = await started(store, "thumbnail-batch", {"modelIds": [f"m-{i}" for i in range(width)]}, run_id)
     outbox = await store.outbox(SHARD)
     tasks = sorted(outbox.values(), key=lambda t: t["body"]["item"])
     await store.mark_sent(SHARD, list(outbox))
     read = await store.snapshot(SHARD, run_id)
-    assert read is not None and len(tasks) == width
+    assert read is not None and len(tasks) == min(width, DEFAULT_BAG_WINDOW)  # its first chunk
     return Bag(plan, store.keys(SHARD), tasks, read)
+
+
+async def refilled(
+    store: RedisStore, plan: CompiledPlan, run_id: str, tasks: list[dict[str, Any]], refills: list[Any]
+) -> tuple[list[dict[str, Any]], RunSnapshot]:
+    """A bag's refill applied as the shard applies it (in-process, from a fresh read): its tasks taken
+    from the outbox and marked sent; the tasks so far with them, and the run as it is now."""
+    (message,) = refills
+    body = message.body
+    event = BagRefill(message.message_id, body["stage"], body["fence"], body["sent"])
+    code, _, _ = await redis_apply(store, plan.plan, plan.digest, run_id, event, NOW)
+    assert code == APPLIED
+    outbox = await store.outbox(SHARD)
+    more = sorted((t for t in outbox.values() if t["kind"] == "task"), key=lambda t: t["body"]["item"])
+    assert [t["body"]["item"] for t in more] == list(range(len(tasks), len(tasks) + len(more)))
+    await store.mark_sent(SHARD, list(outbox))
+    read = await store.snapshot(SHARD, run_id)
+    assert read is not None
+    return tasks + more, read
 
 
 async def memory_usage(store: RedisStore, key: str) -> int:
@@ -64,15 +84,20 @@ def test_a_live_bag_keeps_at_most_64_bytes_of_bookkeeping_per_item(width: int) -
         run_before = await memory_usage(store, keys.run(run_id))
         applied_before = await store.client.scard(keys.applied(run_id))  # type: ignore[misc]
 
-        # When every item but the last arrives (the run is still live, the bag not released)
+        # When every item but the last arrives (the run is still live, the bag not released); a bag
+        # wider than its window is sent in chunks, each refill applied as the shard applies it
         payload = 0
-        for task in tasks[:-1]:
-            event = task_result(task)
+        for index in range(width - 1):
+            event = task_result(tasks[index])
             decision = advance(plan.plan, plan.digest, read, event, NOW)
             assert decision.arrival is not None and decision.arrival.result is not None
             payload += len(decision.arrival.result.encode())
             result = await store.apply(SHARD, run_id, event.message_id, decision, plan.plan, NOW)
             assert result.code == APPLIED
+            refills = decision.arrival.continuations(int(result.detail))
+            if refills:
+                tasks, read = await refilled(store, plan, run_id, tasks, refills)
+        assert len(tasks) == width
 
         # Then the bag's keys cost at most 64 bytes per arrived item beside the results themselves
         bag_keys = (keys.bag_arrived(run_id, "render-all"), keys.bag_results(run_id, "render-all"))
@@ -81,12 +106,16 @@ def test_a_live_bag_keeps_at_most_64_bytes_of_bookkeeping_per_item(width: int) -
         per_item = (bag - payload) / arrived
         assert per_item <= BOOKKEEPING_LIMIT, (bag, payload, per_item)
         # and nothing per item went anywhere else: no hash of members, the run hash as it was (its
-        # counter and revision change in place), no applied ids, no history entries
+        # counter and revision change in place), no applied ids, no history entries; a chunked bag
+        # adds one applied id and one history entry per chunk (its refill)
+        chunks = -(-width // DEFAULT_BAG_WINDOW)
         assert not await store.client.exists(keys.barrier(run_id, "render-all"))
         assert await memory_usage(store, keys.run(run_id)) - run_before < BOOKKEEPING_LIMIT
-        assert await store.client.scard(keys.applied(run_id)) == applied_before  # type: ignore[misc]
+        applied = await store.client.scard(keys.applied(run_id))  # type: ignore[misc]
+        assert applied == applied_before + chunks - 1
         kinds = [e["kind"] for e in await store.history(SHARD, run_id)]
-        assert "callback.rejected" not in kinds and len(kinds) < 10, kinds
+        assert kinds.count("items.dispatched") == chunks - 1
+        assert "callback.rejected" not in kinds and len(kinds) < 10 + chunks, kinds
         print(f"W={width}: {bag} B of bag keys, {payload} B of results, {per_item:.1f} B/item bookkeeping")
         # and a nudge reads from the bitmap which items arrived
         arrived_items = frozenset(str(i) for i in range(width - 1))

@@ -150,16 +150,20 @@ def test_fork_branch_failure_cancels_the_sibling_and_records_its_late_completion
     assert not any(e["kind"] == "join.released" for e in stack.history(run_id))
 
 
-def test_bag_of_1000_items_joins_once_with_results_in_order(stack: Stack, client: SyncClient) -> None:
-    ids = [f"item-{i:04d}" for i in range(1000)]
+@pytest.mark.parametrize("width", [1000, 2500])
+def test_a_bag_joins_once_with_results_in_order(stack: Stack, client: SyncClient, width: int) -> None:
+    """A bag of 1,000 items is sent at once; one of 2,500 a window of 1,000 at a time (two refills)."""
+    before = stack.world.effect_counts().get("thumbnail.render", 0)
+    ids = [f"item-{width}-{i:04d}" for i in range(width)]
     run_id = client.start("thumbnail-batch", {"modelIds": ids})
-    result = client.wait(run_id, timeout_s=120)
+    result = client.wait(run_id, timeout_s=180)
     assert result.state == "completed"
-    assert result.output["count"] == 1000
+    assert result.output["count"] == width
     assert result.output["thumbnails"] == [{"thumbnailUri": f"thumbs/{i}.png"} for i in ids]
     history = kinds(stack, run_id)
     assert history.count("stage.completed") == 1  # the map completed exactly once
-    assert stack.world.effect_counts().get("thumbnail.render", 0) >= 1000
+    assert history.count("items.dispatched") == -(-width // 1000) - 1
+    assert stack.world.effect_counts().get("thumbnail.render", 0) - before >= width
 
 
 def test_same_idempotency_key_starts_one_run(stack: Stack, client: SyncClient) -> None:

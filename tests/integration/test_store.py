@@ -690,13 +690,14 @@ def test_every_key_the_store_writes_carries_the_shard_hash_tag() -> None:
     with_store(test)
 
 
-def test_mark_sent_takes_every_id_of_a_full_bag_at_once() -> None:
-    """A map of max_items (10,000) publishes 10,000 tasks in its start transition; the service confirms
-    them and marks them sent in ONE call, which must not hit Lua's unpack limit (about 8,000 values)."""
+def test_mark_sent_takes_ten_thousand_ids_at_once() -> None:
+    """A shard marks every entry a batch's transitions and the relay confirmed in ONE call: 10,000 ids
+    (a backlog re-published after an outage, say) must not hit Lua's unpack limit (about 8,000 values)."""
     count = 10_000
 
     async def test(store: RedisStore) -> None:
-        await started(store, "thumbnail-batch", {"modelIds": [f"m-{i}" for i in range(count)]}, "run-big")
+        entries = {f"task-{i}": json.dumps({"id": f"task-{i}"}) for i in range(count)}
+        await store.client.hset(store.keys(SHARD).outbox(), mapping=entries)  # type: ignore[misc]
         sent = list(await store.outbox(SHARD))
         assert len(sent) == count
 

@@ -7,7 +7,8 @@ messages are kept as a list of pending deliveries:
 
 * a ``task`` goes to a "worker": the demo handler for its contract is called directly and its outcome
   becomes a pending ``StageResult`` (or ``FinaliserResult``) for the shard;
-* a ``barrier.released`` becomes a pending ``BarrierReleased`` for the shard;
+* a ``barrier.released`` becomes a pending ``BarrierReleased`` for the shard, a ``bag.refill`` a
+  pending ``BagRefill``;
 * ``cancel`` and ``run.finished`` leave the system (kept in ``cancels`` and ``finished``);
 * a task of a stage with deadlines is also accepted: its ``StageAccepted`` becomes pending before its
   result;
@@ -32,6 +33,7 @@ from typing import Any
 import workers.demo
 from orchestrator.engine import advance, clocks
 from orchestrator.engine.model import (
+    BagRefill,
     BarrierReleased,
     CompensationResult,
     Decision,
@@ -138,8 +140,8 @@ def to_publish(decision: Decision, code: int | None, detail: str) -> list[Outgoi
     if code != APPLIED:
         return []
     messages = list(decision.outgoing)
-    if decision.arrival is not None and detail == "0":
-        messages.append(decision.arrival.release)  # this arrival was the last: release the successor
+    if decision.arrival is not None:
+        messages += decision.arrival.continuations(int(detail))
     return messages
 
 
@@ -274,6 +276,10 @@ class Sim:
             body = message.body
             event = BarrierReleased(message.message_id, str(body["stage"]), str(body["fence"]))
             self.pending.append(Delivery("event", event=event))
+        elif message.kind == "bag.refill":
+            body = message.body
+            refill = BagRefill(message.message_id, str(body["stage"]), str(body["fence"]), int(body["sent"]))
+            self.pending.append(Delivery("event", event=refill))
         elif message.kind == "cancel":
             self.cancels.append(message)
         elif message.kind == "run.finished":

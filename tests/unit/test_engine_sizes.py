@@ -422,7 +422,8 @@ def test_the_client_checks_a_context_as_the_shard_will_read_it() -> None:
     active = ActivePlan(plan.digest, "fast", plan.plan)
     settings_ = Settings(max_transition_bytes=1_048_576)
     checked_start(SIGNER, settings_, active, "thumbnail-batch", "run-1", {"modelIds": ("a", "b")})
-    many = {"modelIds": tuple(f"{i}-" + "m" * 600 for i in range(1_500))}  # tasks ~1.6 MB in all
+    # a window of 1,000 tasks ~1.6 MB: over the transition limit (a bag sends a window at once)
+    many = {"modelIds": tuple(f"{i}-" + "m" * 1_100 for i in range(1_500))}
     listed = {"modelIds": list(many["modelIds"])}
     shard = door.start_problems(plan.plan, plan.digest, listed, settings_.limits())
     try:

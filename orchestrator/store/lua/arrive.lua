@@ -6,7 +6,8 @@
 -- barrier hash (a join's branches; a bag opened before bags had a bitmap keeps its items there and
 -- finishes there), and for a bag its bit in the bitmap. A bag's item result is appended to its list;
 -- the release sorts them. The counter lives in the run hash; the arrival that takes it to 0 appends the
--- release message (a deterministic id) to the outbox, so the successor is released exactly once.
+-- release message (a deterministic id) to the outbox, so the successor is released exactly once; a
+-- bag that sends its items in chunks appends its refill (spec.arrival.refill) the same way.
 -- The rest of the transition is checked and applied as saga_transition does it (a timer it claims,
 -- members that must be absent, expectations; timers it sets or clears, messages it causes, fields it
 -- writes): the arrival is one more effect, not a shortcut. Only the applied-id set is not consulted.
@@ -48,6 +49,11 @@ local function saga_arrive(keys, args)
   local remaining = redis.call('HINCRBY', keys[1], a.counter, -1)
   if remaining == 0 then
     append_outbox(keys[4], {a.release})
+  end
+  -- a bag sending its items in chunks: the arrival that makes `at` of them arrived sends the next one
+  -- (the count moves once per distinct item, so exactly one arrival does)
+  if not is_null(a.refill) and a.refill[2] - remaining == a.refill[1] then
+    append_outbox(keys[4], {a.refill[3]})
   end
   append_history(keys[2], spec.history, spec.at)
   finish(keys, spec)
