@@ -160,6 +160,7 @@ def orchestrator(
             batch_max=settings.shard_prefetch,
             max_message_bytes=settings.max_message_bytes,
             max_transition_bytes=settings.max_transition_bytes,
+            bag_window=settings.bag_window,
             crash_points=frozenset(settings.crash_points),
             poison_after=settings.delivery_limit - 1,
             redis_timeout_s=settings.redis_timeout_s,

@@ -13,7 +13,7 @@ from orchestrator.bus.names import NAMESPACE_PATTERN, Names
 from orchestrator.compiler.limits import AdmissionLimits
 from orchestrator.dsl.expressions import ExpressionLimits
 from orchestrator.dsl.yaml_source import YamlLimits
-from orchestrator.wire.sizes import Limits
+from orchestrator.wire.sizes import DEFAULT_BAG_WINDOW, Limits
 
 DEFAULT_CONTRACT_MODULES = ("workers.demo",)
 #: The signing key every fresh checkout shares: fine on a laptop, a forgery licence anywhere else, so
@@ -104,6 +104,13 @@ class Settings(BaseSettings):
         ge=1_048_576,
         description="what one transition may send or write in all (a bag's item tasks, a bag's results): it "
         "travels to Redis as one call",
+    )
+    bag_window: int = Field(
+        DEFAULT_BAG_WINDOW,
+        ge=2,
+        le=100_000,
+        description="a map stage sends at most this many item tasks at once, the next chunk as half of them "
+        "have arrived; the same on every orchestrator",
     )
     batch_results: bool = Field(
         True,
@@ -206,7 +213,7 @@ class Settings(BaseSettings):
 
     def limits(self) -> Limits:
         """The message limits every process applies alike."""
-        return Limits(self.max_message_bytes, self.max_transition_bytes)
+        return Limits(self.max_message_bytes, self.max_transition_bytes, self.bag_window)
 
     def admission_limits(self) -> AdmissionLimits:
         return AdmissionLimits(

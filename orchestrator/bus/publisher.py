@@ -68,6 +68,19 @@ def outgoing_from_payload(payload: Mapping[str, Any]) -> Outgoing:
 PUBLISH_ATTEMPTS = 3
 
 
+async def _close_for_retry(channel: AbstractChannel) -> None:
+    """Close a channel published on before, failing its unconfirmed publishes with an error they are
+    retried for (on the channel that replaced it). aio-pika's close leaves aiormq to cancel whatever is
+    still pending when the broker's answer to the close does not settle it first, and a cancelled
+    publish is not retried: its caller would be cancelled instead (a worker's task then held until its
+    channel closes, neither acked nor given back)."""
+    with contextlib.suppress(Exception):
+        underlay = await channel.get_underlay_channel()
+        await underlay.close(exc=aiormq.exceptions.ChannelInvalidStateError("renewed: publish again"))
+    with contextlib.suppress(Exception):
+        await channel.close()
+
+
 def _transient(exc: BaseException) -> bool:
     """Broker trouble that a moment may cure: a channel or connection going away, a negative confirm.
     Not an unroutable message (a PublishError carrying the broker's Basic.Return): that will not pass."""
@@ -332,8 +345,7 @@ class Publisher:
             self.channel = fresh
         log.info("publishing on a fresh channel from now on (a publish was nacked, or the channel closed)")
         if stale is not None:
-            with contextlib.suppress(Exception):
-                await stale.close()  # its unconfirmed publishes fail, and are retried on the fresh one
+            await _close_for_retry(stale)
 
     async def close(self) -> None:
         """Close the channel this publisher opened for itself, if any (the one it was given is the

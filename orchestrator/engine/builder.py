@@ -103,6 +103,8 @@ class Builder:
             fields["items"] = str(record.items)
         if record.sent is not None:
             fields["sent"] = str(record.sent)
+        if record.window is not None:
+            fields["window"] = str(record.window)
         if record.completed_at is not None:
             fields["done_at"] = str(record.completed_at)
         self.write(Key("stage", name), **fields)

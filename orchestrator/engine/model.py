@@ -236,9 +236,10 @@ class StageRecord:
     result: Any = None
     error: str | None = None
     items: int | None = None  # a map stage: how many items it has
-    # a map stage sending its items in chunks: how many it has sent (the rest come with refills);
-    # None: it sent them all at once
+    # a map stage sending its items in chunks: how many it has sent (the rest come with refills), and
+    # its window (kept with it, so that every process refills it alike); None: it sent them all at once
     sent: int | None = None
+    window: int | None = None
     completed_at: int | None = None  # stages with a compensation: when it completed (the undo order)
 
 

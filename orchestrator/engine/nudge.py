@@ -42,7 +42,7 @@ def nudge(step: Step, event: Nudge) -> Decision:
         _resend_work(step)
     if not step.outgoing and not step.writes:
         return rejected(Verdict.INVALID, "nothing to re-send: no attempt is waiting on a worker", None)
-    resent = [m.message_id for m in step.outgoing if m.kind in ("task", "barrier.released")]
+    resent = [m.message_id for m in step.outgoing if m.kind in ("task", "barrier.released", "bag.refill")]
     step.record("run.nudged", resent=resent)
     return step.decision()
 
@@ -113,7 +113,8 @@ def _items_again(
     sent = rec.sent if rec.sent is not None else (rec.items or 0)
     missing = [i for i in range(sent) if str(i) not in arrived]
     refill = []
-    if rec.items is not None and sent < rec.items and len(arrived) >= sent - step.limits.bag_window // 2:
+    window = rec.window or step.limits.bag_window
+    if rec.items is not None and sent < rec.items and len(arrived) >= sent - window // 2:
         refill = [step.refill(name, rec.fence, sent)]
     try:
         items = bind(stage["items"], step.variables(), None, f"{name}.items")

@@ -7,6 +7,7 @@ entered in one transition lands in the same Decision, which the store applies at
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -170,12 +171,14 @@ class Step(Ending):
             self.fail_to_start(name, stage, tasks.error, tasks.reason)
             return
         chunked = sent < len(items)
+        window = self.limits.bag_window if chunked else None
         record = StageRecord(
-            StageStatus.DISPATCHED, 1, fence, items=len(items), sent=sent if chunked else None
+            StageStatus.DISPATCHED, 1, fence, items=len(items), sent=sent if chunked else None, window=window
         )
         self.set_stage(name, record)
         if not chunked and previous is not None and previous.sent is not None:
-            self.removes.append((Key("stage", name), "sent"))  # chunked in an earlier epoch
+            # chunked in an earlier epoch
+            self.removes += [(Key("stage", name), "sent"), (Key("stage", name), "window")]
         self.barriers.append(BarrierInit(Key("barrier", name), len(items)))
         self.outgoing += tasks
         self.record(
@@ -196,13 +199,13 @@ class Step(Ending):
             self.record("stage.failed", name, rec.attempt, error=why, reason="binding")
             self.fail_attempt(name, stage, rec, why, retryable=False)
             return
-        stop = min(len(items), start + self.limits.bag_window)
+        stop = min(len(items), start + (rec.window or self.limits.bag_window))
         tasks = self._item_tasks(name, stage, rec.fence, items, start, stop)
         if isinstance(tasks, _Unsendable):
             self.record("stage.failed", name, rec.attempt, error=tasks.error, reason=tasks.reason)
             self.fail_attempt(name, stage, rec, tasks.error, retryable=False)
             return
-        self.set_stage(name, StageRecord(rec.status, rec.attempt, rec.fence, items=rec.items, sent=stop))
+        self.set_stage(name, dataclasses.replace(rec, sent=stop))
         self.outgoing += tasks
         self.record("items.dispatched", name, rec.attempt, first=start, last=stop - 1, of=rec.items)
 
@@ -222,7 +225,7 @@ class Step(Ending):
 
     def bag_problem(self, tasks: list[Outgoing], first: int = 0) -> str | None:
         """Why a map's item tasks cannot be sent (None: they can): one is too large for a message, or
-        together they are too large for the one transition that sends them all."""
+        together they are too large for the one transition that sends them (a chunk of the bag)."""
         total = 0
         for index, task in enumerate(tasks, first):
             size = sizes.body_bytes(task.body)

@@ -45,7 +45,12 @@ from orchestrator.store.redis_store import RedisStore
 from orchestrator.trace import TRACE
 from orchestrator.wire.kinds import Kind
 from orchestrator.wire.outgoing import Outgoing
-from orchestrator.wire.sizes import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_MAX_TRANSITION_BYTES, Limits
+from orchestrator.wire.sizes import (
+    DEFAULT_BAG_WINDOW,
+    DEFAULT_MAX_MESSAGE_BYTES,
+    DEFAULT_MAX_TRANSITION_BYTES,
+    Limits,
+)
 
 log = logging.getLogger(__name__)
 # TimeoutError: a Redis step that outlived ShardOptions.redis_timeout_s.
@@ -79,6 +84,7 @@ class ShardOptions:
     batch_max: int = 64
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     max_transition_bytes: int = DEFAULT_MAX_TRANSITION_BYTES
+    bag_window: int = DEFAULT_BAG_WINDOW
     relay_interval_s: float = 5.0
     relay_min_age_ms: int = 2_000  # younger entries are most likely being published right now
     redis_retry_s: float = 0.5
@@ -177,7 +183,9 @@ class ShardService:
     _timers_queued: set[str] = field(default_factory=set)  # shards whose inbox holds due timers
 
     def __post_init__(self) -> None:
-        limits = Limits(self.options.max_message_bytes, self.options.max_transition_bytes)
+        limits = Limits(
+            self.options.max_message_bytes, self.options.max_transition_bytes, self.options.bag_window
+        )
         self.processor = Processor(self.store, self.clock_ms, limits)
 
     def stop(self) -> None:
@@ -319,8 +327,10 @@ class ShardService:
                 if batch:
                     await self._process(shard, batch, publisher)
                 if due is not None:
-                    self._timers_queued.discard(shard)
-                    await self._fire_timers(shard, publisher, due.members)
+                    try:
+                        await self._fire_timers(shard, publisher, due.members)
+                    finally:  # looked for again only once these are fired: else found twice
+                        self._timers_queued.discard(shard)
         finally:
             self._inboxes.pop(shard, None)
             self._timers_queued.discard(shard)

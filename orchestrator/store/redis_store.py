@@ -274,14 +274,15 @@ class RedisStore:
 
     async def due_timers(self, shards: list[str], now_ms: int, limit: int = 256) -> list[list[str]]:
         """Per shard, the members of its timer set due by ``now_ms``, earliest first: one round trip for
-        all of them (a process polls every shard it serves several times a second)."""
+        all of them (a process polls every shard it serves several times a second). A shard whose
+        read failed (its slot failing over, on a Redis Cluster) has none this time; the others do."""
         if not shards:
             return []
         async with self.client.pipeline(transaction=False) as pipe:
             for shard in shards:
                 pipe.zrangebyscore(self.keys(shard).timers(), "-inf", now_ms, start=0, num=limit)
-            found = await pipe.execute()
-        return [[_str(m) for m in members] for members in found]
+            found = await pipe.execute(raise_on_error=False)
+        return [[] if isinstance(members, Exception) else [_str(m) for m in members] for members in found]
 
     async def timer_runs(self, shard: str) -> set[str]:
         """The runs of the shard that have a timer set."""

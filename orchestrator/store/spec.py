@@ -250,6 +250,7 @@ def snapshot_from_record(
             error=fields.get("error"),
             items=int(fields["items"]) if "items" in fields else None,
             sent=int(fields["sent"]) if "sent" in fields else None,
+            window=int(fields["window"]) if "window" in fields else None,
             completed_at=int(fields["done_at"]) if "done_at" in fields else None,
         )
         for name, fields in stage_fields.items()

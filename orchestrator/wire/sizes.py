@@ -41,6 +41,12 @@ class Limits:
     max_transition_bytes: int = DEFAULT_MAX_TRANSITION_BYTES
     bag_window: int = DEFAULT_BAG_WINDOW  # item tasks of one bag in one transition (at least 2)
 
+    def __post_init__(self) -> None:
+        if self.bag_window < 2:
+            raise ValueError(
+                f"a bag window of {self.bag_window} sends nothing to refill from: give 2 or more"
+            )
+
     @property
     def max_body_bytes(self) -> int:
         """The largest message body that still fits once enveloped."""

@@ -1,7 +1,10 @@
-"""Fault scenarios: the ``slow`` marker and a reproducible seed per test.
+"""Fault scenarios: the ``slow`` marker, a reproducible seed per test, and bags sent in chunks.
 
 Every scenario draws its random choices (which runs, which timings) from ``fault_seed``. The seed is
 ``SAGA_FAULT_SEED`` when set, else fresh per test; a failing test's report says how to reproduce it.
+
+Every process a scenario starts (and its own clients) sends a bag's items ``BAG_WINDOW`` at a time, so
+the scenarios' bags of a few hundred items go out in several chunks, each refill exposed to the fault.
 """
 
 from __future__ import annotations
@@ -16,6 +19,12 @@ from tests.faults.harness import FaultSeed
 
 SEED_VARIABLE = "SAGA_FAULT_SEED"
 SEED_KEY = pytest.StashKey[int]()
+BAG_WINDOW = 64
+
+
+@pytest.fixture(autouse=True)
+def chunked_bags(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SAGA_BAG_WINDOW", str(BAG_WINDOW))  # the stacks pass the environment on
 
 
 def pytest_configure(config: pytest.Config) -> None:

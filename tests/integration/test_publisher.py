@@ -14,7 +14,7 @@ from pamqp import commands as spec
 
 from orchestrator.bus.envelope import Signer, decode
 from orchestrator.bus.names import Names
-from orchestrator.bus.publisher import PUBLISH_ATTEMPTS, Publisher
+from orchestrator.bus.publisher import PUBLISH_ATTEMPTS, Publisher, _close_for_retry, _transient
 from orchestrator.wire.outgoing import Outgoing
 from tests.integration.stack import Stack
 
@@ -190,3 +190,25 @@ def test_a_nacked_publish_moves_the_publisher_to_a_fresh_channel(stack: Stack) -
     # the first channel, then one per nacked try (the publish is tried PUBLISH_ATTEMPTS times)
     assert renewed and opened == 1 + PUBLISH_ATTEMPTS
     assert kept_for_unroutable
+
+
+def test_a_renewed_channel_fails_its_unconfirmed_publishes_so_that_they_are_retried(stack: Stack) -> None:
+    """Closing a renewed channel with publishes still unconfirmed must fail them with an error the
+    publisher retries (on the fresh channel), never cancel them: a cancelled publish cancels its
+    caller."""
+
+    async def go() -> BaseException:
+        connection = await aio_pika.connect(stack.settings.amqp_url)
+        try:
+            channel = await connection.channel(publisher_confirms=True)
+            underlay = await channel.get_underlay_channel()
+            # what aiormq makes for each publish and resolves with its confirm: one not back yet
+            pending = underlay.create_future()
+            await _close_for_retry(channel)
+            assert channel.is_closed and pending.done()
+            return pending.exception()  # type: ignore[return-value]  # raises if cancelled instead
+        finally:
+            await connection.close()
+
+    failed = asyncio.run(go())
+    assert _transient(failed), repr(failed)  # a channel closed or invalid: tried again

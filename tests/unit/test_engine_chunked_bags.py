@@ -134,3 +134,25 @@ def test_a_nudge_resends_only_sent_items_that_did_not_arrive_and_a_refill_that_i
     sim.run()
     assert sim.status == "completed"
     assert sorted(set(item_tasks(sim))) == list(range(40))
+
+
+def test_a_bag_keeps_its_own_window_whatever_window_later_processes_are_given() -> None:
+    """A bag entered with a window of 8 refills by 8 at its own thresholds after the orchestrators were
+    restarted with another window: a threshold of the new window could lie behind the items that
+    already arrived, and the bag would wait for a refill that never comes."""
+    sim, _ = bag_sim(40)
+    sim.deliver_at(0)
+    for item in range(WINDOW // 2 - 1):
+        sim.deliver_task("render-all", item)
+    sim.limits = Limits(bag_window=32)  # at = 8 - 16 < 0 if taken from the new setting
+    sim.run()
+    assert sim.status == "completed"
+    assert sorted(item_tasks(sim)) == list(range(40))
+    later = sim.entries("items.dispatched", "render-all")
+    assert [e["detail"]["first"] for e in later] == [8, 16, 24, 32]
+    assert sim.record["s:render-all:window"] == str(WINDOW)
+
+
+def test_a_window_below_two_is_refused() -> None:
+    with pytest.raises(ValueError, match="bag window of 1"):
+        Limits(bag_window=1)
