@@ -282,12 +282,9 @@ def _bag_refill(step: Step, event: BagRefill) -> Decision:
     stage = step.plan["stages"].get(event.stage)
     if stage is None or rec is None or stage["type"] != "map":
         return rejected(Verdict.INVALID, f"{event.stage!r} is not a bag of this run", event.stage)
-    if run.intent is not None:
-        return rejected(Verdict.LATE, f"the run already has the {run.intent.value} intent", event.stage)
-    if rec.fence != event.fence:
-        return rejected(Verdict.STALE, f"fence {event.fence} is not the current {rec.fence}", event.stage)
-    if rec.status not in ACTIVE_STAGE_STATUSES:
-        return rejected(Verdict.DUPLICATE, f"the bag is already {rec.status.value}", event.stage)
+    closed = _closed_to(step, rec, event.stage, event.fence, "bag")
+    if closed is not None:
+        return closed
     if event.message_id != ids.refill_id(run.run_id, event.stage, event.fence, event.sent):
         why = f"message {event.message_id} is not the refill of bag {event.stage!r} from item {event.sent}"
         return rejected(Verdict.INVALID, why, event.stage)
@@ -300,18 +297,27 @@ def _bag_refill(step: Step, event: BagRefill) -> Decision:
     return step.decision()
 
 
+def _closed_to(step: Step, rec: StageRecord, name: str, fence: str, what: str) -> Decision | None:
+    """Why a continuation a barrier sent itself (its release, a bag's refill) no longer applies: the run
+    has an intent, the barrier was re-opened under another fence, or it is settled. None: it applies."""
+    if step.run.intent is not None:
+        return rejected(Verdict.LATE, f"the run already has the {step.run.intent.value} intent", name)
+    if rec.fence != fence:
+        return rejected(Verdict.STALE, f"fence {fence} is not the current {rec.fence}", name)
+    if rec.status not in ACTIVE_STAGE_STATUSES:
+        return rejected(Verdict.DUPLICATE, f"the {what} is already {rec.status.value}", name)
+    return None
+
+
 def _barrier_released(step: Step, event: BarrierReleased) -> Decision:
     run = step.run
     rec = run.stages.get(event.stage)
     stage = step.plan["stages"].get(event.stage)
     if stage is None or rec is None or stage["type"] not in ("join", "map"):
         return rejected(Verdict.INVALID, f"{event.stage!r} is not a barrier of this run", event.stage)
-    if run.intent is not None:
-        return rejected(Verdict.LATE, f"the run already has the {run.intent.value} intent", event.stage)
-    if rec.fence != event.fence:
-        return rejected(Verdict.STALE, f"fence {event.fence} is not the current {rec.fence}", event.stage)
-    if rec.status not in ACTIVE_STAGE_STATUSES:
-        return rejected(Verdict.DUPLICATE, f"the barrier is already {rec.status.value}", event.stage)
+    closed = _closed_to(step, rec, event.stage, event.fence, "barrier")
+    if closed is not None:
+        return closed
     if event.message_id != ids.release_id(run.run_id, event.stage, event.fence):
         why = f"message {event.message_id} is not the release of barrier {event.stage!r} (fence {rec.fence})"
         return rejected(Verdict.INVALID, why, event.stage)
