@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import redis
 import redis.asyncio as aioredis
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
 from orchestrator.store.connect import async_client
 
@@ -89,7 +90,17 @@ class AsyncDemoWorld:
             demo_key(self.prefix, "effects"),
             demo_key(self.prefix, "counts"),
         ]
-        fail, delay_ms, _ = await self.client.eval(ACT, 3, *keys, contract, idempotency_key)  # type: ignore[misc]
+        # The ledger's connection may drop (a Redis Cluster slot moving closes it): the call is tried
+        # again, as a handler should retry an idempotent effect, instead of failing the task. A retry
+        # after a lost reply records nothing twice (HSETNX); it may use up one more of `fail-times`.
+        async for attempt in AsyncRetrying(
+            retry=retry_if_exception_type((redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)),
+            stop=stop_after_attempt(5),
+            wait=wait_exponential(multiplier=0.05, max=1.0),
+            reraise=True,
+        ):
+            with attempt:
+                fail, delay_ms, _ = await self.client.eval(ACT, 3, *keys, contract, idempotency_key)  # type: ignore[misc]
         if delay_ms:
             await asyncio.sleep(int(delay_ms) / 1000)
         if fail:
