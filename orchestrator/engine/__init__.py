@@ -272,8 +272,7 @@ def _refill_due(step: Step, name: str, rec: StageRecord) -> Refill | None:
     if rec.sent is None or rec.items is None or rec.sent >= rec.items:
         return None
     step.expect(Key("stage", name), "sent", str(rec.sent))
-    at = rec.sent - (rec.window or step.limits.bag_window) // 2
-    return Refill(at, rec.items, step.refill(name, rec.fence, rec.sent))
+    return Refill(step.refill_at(rec, rec.sent), rec.items, step.refill(name, rec.fence, rec.sent))
 
 
 def _bag_refill(step: Step, event: BagRefill) -> Decision:

@@ -242,6 +242,15 @@ class Builder:
             bodies.attempt(self.run.run_id, barrier, fence),
         )
 
+    def window_of(self, rec: StageRecord) -> int:
+        """How many items a chunked bag sends at once: its own window, kept when it was entered."""
+        return rec.window or self.limits.bag_window
+
+    def refill_at(self, rec: StageRecord, sent: int) -> int:
+        """How many of a chunked bag's items have arrived when its refill from ``sent`` is due: half a
+        window of the sent items still out."""
+        return sent - self.window_of(rec) // 2
+
     def refill(self, bag: str, fence: str, sent: int) -> Outgoing:
         """The continuation a chunked bag sends itself for its next chunk, the items from ``sent`` on."""
         return Outgoing(

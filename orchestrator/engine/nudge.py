@@ -113,8 +113,7 @@ def _items_again(
     sent = rec.sent if rec.sent is not None else (rec.items or 0)
     missing = [i for i in range(sent) if str(i) not in arrived]
     refill = []
-    window = rec.window or step.limits.bag_window
-    if rec.items is not None and sent < rec.items and len(arrived) >= sent - window // 2:
+    if rec.items is not None and sent < rec.items and len(arrived) >= step.refill_at(rec, sent):
         refill = [step.refill(name, rec.fence, sent)]
     try:
         items = bind(stage["items"], step.variables(), None, f"{name}.items")

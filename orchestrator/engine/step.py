@@ -199,7 +199,7 @@ class Step(Ending):
             self.record("stage.failed", name, rec.attempt, error=why, reason="binding")
             self.fail_attempt(name, stage, rec, why, retryable=False)
             return
-        stop = min(len(items), start + (rec.window or self.limits.bag_window))
+        stop = min(len(items), start + self.window_of(rec))
         tasks = self._item_tasks(name, stage, rec.fence, items, start, stop)
         if isinstance(tasks, _Unsendable):
             self.record("stage.failed", name, rec.attempt, error=tasks.error, reason=tasks.reason)
