@@ -28,6 +28,7 @@ from orchestrator.bus.envelope import Envelope, Signer, encode
 from orchestrator.bus.publisher import PUBLISH_ATTEMPTS, Publisher
 from orchestrator.engine.door import start_problems
 from orchestrator.engine.model import TERMINAL_RUN_STATUSES, RunSnapshot, RunStatus
+from orchestrator.engine.plan import Plan, typed_plan
 from orchestrator.errors import SagaError
 from orchestrator.governance.lifecycle import DefinitionNotFound, DefinitionState, VersionRecord, choose
 from orchestrator.governance.store import definition_key, names_key, parse_state
@@ -332,7 +333,7 @@ class ActivePlan:
 
     digest: str
     shard_class: str
-    plan: Mapping[str, Any] = field(default_factory=dict, compare=False)
+    plan: Plan | None = field(default=None, compare=False)
     version: str = ""
 
 
@@ -394,7 +395,7 @@ def active_plan_from(
     if raw_plan is None:
         raise ActivePlanMissing(definition, text)
     plan = json.loads(raw_plan)["plan"]
-    return ActivePlan(text, str(plan["class"]), plan, version)
+    return ActivePlan(text, str(plan["class"]), typed_plan(plan), version)
 
 
 def checked_start(

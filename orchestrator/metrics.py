@@ -16,8 +16,7 @@ beside their ``/healthz`` and ``/readyz`` (``orchestrator/health.py``).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from prometheus_client import Counter, Gauge, Histogram
 
@@ -27,6 +26,7 @@ if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
 
     from orchestrator.engine.model import Decision
+    from orchestrator.engine.plan import Plan
 
 # Latencies of one Redis call or one publisher confirm: sub-millisecond on a local broker, seconds when
 # it struggles.
@@ -207,7 +207,7 @@ _ATTEMPT_ENDS = {
 
 
 def applied(
-    run_id: str, plan: Mapping[str, Any], decision: Decision, now_ms: int, dispatches: Dispatches = DISPATCHES
+    run_id: str, plan: Plan, decision: Decision, now_ms: int, dispatches: Dispatches = DISPATCHES
 ) -> None:
     """Count what a transition the store applied did to its run: created it, finished it, cancelled it,
     dispatched or ended stage attempts."""
@@ -220,17 +220,17 @@ def applied(
                 continue
             _attempt_ended(run_id, plan, entry.stage, entry.attempt, _ATTEMPT_ENDS[kind], now_ms, dispatches)
         elif kind == "run.started":
-            RUNS_STARTED.labels(plan["name"], plan["version"]).inc()
+            RUNS_STARTED.labels(plan.name, plan.version).inc()
         elif kind in ("run.completed", "run.failed"):
-            RUNS_FINISHED.labels(plan["name"], plan["version"], kind[4:]).inc()
+            RUNS_FINISHED.labels(plan.name, plan.version, kind[4:]).inc()
             dispatches.forget(run_id)
         elif kind == "cancel.requested":
-            RUNS_CANCELLED.labels(plan["name"], plan["version"]).inc()
+            RUNS_CANCELLED.labels(plan.name, plan.version).inc()
 
 
 def _attempt_ended(
     run_id: str,
-    plan: Mapping[str, Any],
+    plan: Plan,
     stage: str,
     attempt: int,
     outcome: str,
@@ -238,13 +238,10 @@ def _attempt_ended(
     dispatches: Dispatches,
 ) -> None:
     dispatched_ms = dispatches.end(run_id, stage, attempt)
-    spec = plan["stages"].get(stage)
-    if dispatched_ms is None or spec is None or spec.get("type") not in ("action", "worker", "map"):
+    spec = plan.work(stage)
+    if dispatched_ms is None or spec is None:
         return
-    # imported here: workers use this module too, and load nothing of the engine
-    from orchestrator.engine.builder import stage_contract
-
-    STAGE_SECONDS.labels(stage_contract(spec), outcome).observe(max(0, now_ms - dispatched_ms) / 1000)
+    STAGE_SECONDS.labels(spec.contract, outcome).observe(max(0, now_ms - dispatched_ms) / 1000)
 
 
 # ---- worker ---------------------------------------------------------------------------------------

@@ -12,12 +12,16 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
-from typing import Any
+from functools import cached_property
+from typing import TYPE_CHECKING, Any
 
 from orchestrator.compiler.graph import GraphFacts
 from orchestrator.contracts import Contract
 from orchestrator.dsl.models import Definition, JoinStage, WorkStage
 from orchestrator.versions import COMPILER_VERSION, DSL_VERSION, ENGINE_VERSION, PLAN_FORMAT
+
+if TYPE_CHECKING:
+    from orchestrator.engine.plan import Plan
 
 
 @dataclass(frozen=True)
@@ -35,6 +39,14 @@ class CompiledPlan:
     @property
     def version(self) -> str:
         return str(self.plan["version"])
+
+    @cached_property
+    def typed(self) -> Plan:
+        """The plan as the engine reads it (frozen, typed stages)."""
+        # imported here: workers load the compiler (the registry checks plans) and nothing of the engine
+        from orchestrator.engine.plan import typed_plan
+
+        return typed_plan(self.plan)
 
     def canonical_bytes(self) -> bytes:
         return canonical_json(self.plan)

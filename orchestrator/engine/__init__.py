@@ -30,11 +30,11 @@ large is never sent; the step that would send it fails instead, with the reason.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 from orchestrator.engine import door, liveness, nudge, outputs, redrive
-from orchestrator.engine.builder import dumps, rejected, stage_contract
+from orchestrator.engine.builder import dumps, rejected
 from orchestrator.engine.model import (
     ACTIVE_STAGE_STATUSES,
     FENCED_OFF,
@@ -64,7 +64,8 @@ from orchestrator.engine.model import (
     TimerFired,
     Verdict,
 )
-from orchestrator.engine.step import WORK_STAGE_TYPES, Step
+from orchestrator.engine.plan import Bag, Join, Plan, Stage, Work
+from orchestrator.engine.step import Step
 from orchestrator.versions import ENGINE_VERSION
 from orchestrator.wire import ids, sizes
 
@@ -72,7 +73,7 @@ __all__ = ["advance"]
 
 
 def advance(
-    plan: Mapping[str, Any],
+    plan: Plan,
     digest: str,
     run: RunSnapshot | None,
     event: Event,
@@ -92,7 +93,7 @@ def advance(
 
 
 def _start(
-    plan: Mapping[str, Any],
+    plan: Plan,
     digest: str,
     run: RunSnapshot | None,
     event: StartRun,
@@ -114,8 +115,8 @@ def _start(
         RUN,
         run_id=event.run_id,
         shard=event.shard,
-        definition=plan["name"],
-        version=plan["version"],
+        definition=plan.name,
+        version=plan.version,
         digest=digest,
         status=RunStatus.RUNNING.value,
         context=dumps(dict(event.context)),
@@ -126,26 +127,26 @@ def _start(
     )
     if event.versions:  # ... and the versions recorded beside its plan (not in the digest)
         step.write(RUN, plan_versions=dumps(dict(event.versions)))
-    step.record("run.started", definition=plan["name"], digest=digest)
-    if plan.get("run_deadline_ms"):
-        step.set_timer(Clock.RUN, "", ids.run_fence(1), plan["run_deadline_ms"])
+    step.record("run.started", definition=plan.name, digest=digest)
+    if plan.run_deadline_ms:
+        step.set_timer(Clock.RUN, "", ids.run_fence(1), plan.run_deadline_ms)
     problems = door.start_problems(plan, digest, event.context, limits, fresh)
     if problems:
         step.set_intent(Intent.FAILED, "; ".join(problems))
     else:
-        step.enter(None, plan["entry"])
+        step.enter(None, plan.entry)
     return step.decision(create=True)
 
 
 def _stage_result(step: Step, event: StageResult) -> Decision:
     run = step.run
     rec = run.stages.get(event.stage)
-    stage = step.plan["stages"].get(event.stage)
+    stage = step.plan.stages.get(event.stage)
     if stage is None or rec is None:
         return rejected(Verdict.INVALID, f"stage {event.stage!r} was never dispatched", event.stage)
     refused = _unknown_report(step, event, stage)
-    if refused is not None:
-        return refused
+    if refused is not None or not isinstance(stage, Work):
+        return refused or rejected(Verdict.INVALID, "no worker reports on it", event.stage)
     if event.cancelled and rec.fence == event.fence and rec.status in FENCED_OFF:
         item = {} if event.item is None else {"item": event.item}
         step.record("cancellation.acknowledged", event.stage, event.attempt, fence=event.fence, **item)
@@ -158,7 +159,7 @@ def _stage_result(step: Step, event: StageResult) -> Decision:
         return rejected(
             Verdict.STALE, f"fence {event.fence} is not the current {rec.fence}", event.stage, event.attempt
         )
-    if stage["type"] == "map":
+    if isinstance(stage, Bag):
         return _map_item(step, stage, rec, event)  # a map's items count their own attempts
     if event.attempt != rec.attempt:
         return rejected(
@@ -172,7 +173,7 @@ def _stage_result(step: Step, event: StageResult) -> Decision:
             Verdict.DUPLICATE, f"the attempt is already {rec.status.value}", event.stage, event.attempt
         )
     step.guard(event.stage, rec)
-    breach = _breach(step, stage_contract(stage), event.ok, event.result)
+    breach = _breach(step, stage.contract, event.ok, event.result)
     if event.ok and breach is None:
         step.set_stage(
             event.stage,
@@ -186,7 +187,7 @@ def _stage_result(step: Step, event: StageResult) -> Decision:
         )
         step.record("stage.completed", event.stage, rec.attempt)
         step.clear_attempt_clocks(event.stage, rec.fence)
-        step.enter(event.stage, stage["on_success"])
+        step.enter(event.stage, stage.on_success)
     else:
         error = breach or sizes.bounded(event.error or "the worker reported a failure without a message")
         retryable = event.retryable and breach is None
@@ -209,19 +210,19 @@ def _cause(breach: str | None) -> dict[str, Any]:
     return {} if breach is None else {"reason": "contract"}
 
 
-def _unknown_report(step: Step, event: StageResult, stage: Mapping[str, Any]) -> Decision | None:
+def _unknown_report(step: Step, event: StageResult, stage: Stage) -> Decision | None:
     """Why ``event`` reports on no task this run dispatched (None: it does)."""
-    if stage["type"] not in WORK_STAGE_TYPES:
-        why = f"{event.stage!r} is a {stage['type']}; no worker reports on it"
+    if not isinstance(stage, Work):
+        why = f"{event.stage!r} is a {stage.type}; no worker reports on it"
         return rejected(Verdict.INVALID, why, event.stage)
-    item = event.item if stage["type"] == "map" else None
+    item = event.item if isinstance(stage, Bag) else None
     task = ids.stage_task_id(step.run.run_id, event.stage, event.fence, item, event.attempt)
     if event.message_id != ids.result_id(task):
         return _not_a_report(event.message_id, task, event.stage, event.attempt)
     return None
 
 
-def _map_item(step: Step, stage: Mapping[str, Any], rec: StageRecord, event: StageResult) -> Decision:
+def _map_item(step: Step, stage: Bag, rec: StageRecord, event: StageResult) -> Decision:
     if rec.status not in ACTIVE_STAGE_STATUSES:
         return rejected(
             Verdict.DUPLICATE, f"the map is already {rec.status.value}", event.stage, event.attempt
@@ -237,14 +238,14 @@ def _map_item(step: Step, stage: Mapping[str, Any], rec: StageRecord, event: Sta
         return rejected(Verdict.STALE, why, event.stage, event.attempt)
     item_key = Key("item", f"{event.stage}:{event.item}")
     step.expect(item_key, "attempt", None if current == 1 else str(current))
-    breach = _breach(step, stage_contract(stage), event.ok, event.result)
+    breach = _breach(step, stage.contract, event.ok, event.result)
     if not event.ok or breach is not None:
         step.guard(event.stage, rec)
         step.absent.append((Key("barrier", event.stage), str(event.item)))  # an item that arrived stays
         reported = breach or sizes.bounded(event.error or "the worker reported a failure without a message")
         error = f"item {event.item}: {reported}"
         step.record("stage.failed", event.stage, current, item=event.item, error=reported, **_cause(breach))
-        if event.retryable and breach is None and current < stage["retry"]["max_attempts"]:
+        if event.retryable and breach is None and current < stage.retry.max_attempts:
             step.retry_item(event.stage, stage, rec, event.item, current)
         else:
             step.fail_attempt(event.stage, stage, rec, error, retryable=False)
@@ -278,8 +279,8 @@ def _refill_due(step: Step, name: str, rec: StageRecord) -> Refill | None:
 def _bag_refill(step: Step, event: BagRefill) -> Decision:
     run = step.run
     rec = run.stages.get(event.stage)
-    stage = step.plan["stages"].get(event.stage)
-    if stage is None or rec is None or stage["type"] != "map":
+    stage = step.plan.stages.get(event.stage)
+    if not isinstance(stage, Bag) or rec is None:
         return rejected(Verdict.INVALID, f"{event.stage!r} is not a bag of this run", event.stage)
     closed = _closed_to(step, rec, event.stage, event.fence, "bag")
     if closed is not None:
@@ -311,8 +312,8 @@ def _closed_to(step: Step, rec: StageRecord, name: str, fence: str, what: str) -
 def _barrier_released(step: Step, event: BarrierReleased) -> Decision:
     run = step.run
     rec = run.stages.get(event.stage)
-    stage = step.plan["stages"].get(event.stage)
-    if stage is None or rec is None or stage["type"] not in ("join", "map"):
+    stage = step.plan.stages.get(event.stage)
+    if not isinstance(stage, (Join, Bag)) or rec is None:
         return rejected(Verdict.INVALID, f"{event.stage!r} is not a barrier of this run", event.stage)
     closed = _closed_to(step, rec, event.stage, event.fence, "barrier")
     if closed is not None:
@@ -326,24 +327,28 @@ def _barrier_released(step: Step, event: BarrierReleased) -> Decision:
         return rejected(Verdict.INVALID, why, event.stage)
     step.expect(Key("counter", event.stage), "remaining", "0")
     step.guard(event.stage, rec)
-    result = run.map_results.get(event.stage) if stage["type"] == "map" else None
-    if result is not None and sizes.body_bytes({"result": result}) > step.limits.max_transition_bytes:
+    result = run.map_results.get(event.stage) if isinstance(stage, Bag) else None
+    if (
+        isinstance(stage, Bag)
+        and result is not None
+        and sizes.body_bytes({"result": result}) > step.limits.max_transition_bytes
+    ):
         why = (
             f"its {len(result):,} item results together are over the "
             f"{step.limits.max_transition_bytes:,}-byte limit for one transition (SAGA_MAX_TRANSITION_BYTES)"
         )
         step.fail_attempt(event.stage, stage, rec, why, retryable=False)
         return step.decision()
-    done_at = step.done_at(stage)
+    done_at = step.done_at(stage) if isinstance(stage, Bag) else None
     step.set_stage(
         event.stage,
         StageRecord(StageStatus.COMPLETED, rec.attempt, rec.fence, result=result, completed_at=done_at),
     )
-    if stage["type"] == "map":
+    if isinstance(stage, Bag):
         step.clear_attempt_clocks(event.stage, rec.fence)
-    kind = "join.released" if stage["type"] == "join" else "stage.completed"
+    kind = "join.released" if isinstance(stage, Join) else "stage.completed"
     step.record(kind, event.stage, rec.attempt)
-    step.enter(event.stage, stage["on_success"])
+    step.enter(event.stage, stage.on_success)
     return step.decision()
 
 
@@ -356,7 +361,8 @@ def _compensation_result(step: Step, event: CompensationResult) -> Decision:
     step.expect(RUN, "compensation_index", str(run.compensation_index))
     step.expect(RUN, "status", run.status.value)
     rec = run.stages[event.stage]
-    breach = _breach(step, step.plan["stages"][event.stage]["compensate"], event.ok, event.result)
+    undone = step.plan.work(event.stage)
+    breach = _breach(step, (undone.compensate if undone else None) or "", event.ok, event.result)
     if event.ok and breach is None:
         step.set_stage(event.stage, dataclasses.replace(rec, status=StageStatus.COMPENSATED))
         step.record("compensation.completed", label)
@@ -408,7 +414,7 @@ def _finaliser_result(step: Step, event: FinaliserResult) -> Decision:
         return _not_a_report(event.message_id, task, name, None)
     step.expect(RUN, "finaliser_index", str(run.finaliser_index))
     step.expect(RUN, "status", RunStatus.FINALISING.value)
-    breach = _breach(step, step.plan["finalisers"][event.index], event.ok, event.result)
+    breach = _breach(step, step.plan.finalisers[event.index], event.ok, event.result)
     if event.ok and breach is None:
         step.record("finaliser.completed", name)
     else:

@@ -32,6 +32,7 @@ from orchestrator.engine.model import (
     Verdict,
     Write,
 )
+from orchestrator.engine.plan import Plan, Work
 from orchestrator.wire import bodies, ids, sizes
 from orchestrator.wire.kinds import Kind
 from orchestrator.wire.outgoing import Outgoing
@@ -41,16 +42,11 @@ def dumps(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"), sort_keys=True)
 
 
-def stage_contract(stage: Mapping[str, Any]) -> str:
-    """The contract version (``name@version``) a work stage calls."""
-    return str(stage.get("action") or stage["worker"])
-
-
 @dataclass
 class Builder:
     """One transition under construction."""
 
-    plan: Mapping[str, Any]
+    plan: Plan
     digest: str
     run: RunSnapshot
     now_ms: int
@@ -147,9 +143,9 @@ class Builder:
             persist=self.persist,
         )
 
-    def done_at(self, stage: Mapping[str, Any]) -> int | None:
+    def done_at(self, stage: Work) -> int | None:
         """When a stage that can be compensated completed (the undo order); None for the others."""
-        return self.now_ms if stage.get("compensate") else None
+        return self.now_ms if stage.compensate else None
 
     def set_timer(self, clock: Clock, stage: str, fence: str, after_ms: int) -> None:
         name = clocks.member(self.run.run_id, clock, stage, fence)
@@ -163,7 +159,8 @@ class Builder:
 
     def clear_attempt_clocks(self, name: str, fence: str) -> None:
         """The attempt ended: its queue, execution and heartbeat timers have nothing left to watch."""
-        for clock in clocks.attempt_clocks(self.plan["stages"].get(name, {})):
+        stage = self.plan.work(name)
+        for clock in stage.clocks if stage else ():
             self.clear_timer(clock, name, fence)
 
     def variables(self, **extra: Any) -> dict[str, Any]:
@@ -175,22 +172,28 @@ class Builder:
                 stages[name] = {"state": rec.status.value, "attempt": rec.attempt, "result": rec.result}
         return {"context": dict(self.run.context), "stages": stages, **extra}
 
-    def bind_input(self, name: str, stage: Mapping[str, Any], **extra: Any) -> Any:
-        ref = stage_contract(stage)
-        schema = self.plan["contracts"][ref]["input_schema"]
-        return bind(stage["input"], self.variables(**extra), schema, f"{name}.input")
+    def bind_input(self, name: str, stage: Work, **extra: Any) -> Any:
+        schema = self.plan.contracts[stage.contract].input_schema
+        return bind(stage.input, self.variables(**extra), schema, f"{name}.input")
 
     def stage_task(
-        self, name: str, stage: Mapping[str, Any], attempt: int, fence: str, payload: Any, item: int | None
+        self, name: str, stage: Work, attempt: int, fence: str, payload: Any, item: int | None
     ) -> Outgoing:
         report = None
-        if item is None and clocks.needs_acceptance(stage):
+        if item is None and stage.needs_acceptance:
             # the worker reports acceptance, and heartbeats at a third of the timeout
-            report = {"accept": True, "heartbeat_ms": stage.get("heartbeat_timeout_ms")}
-        ref = stage_contract(stage)
+            report = {"accept": True, "heartbeat_ms": stage.heartbeat_timeout_ms}
         id_part = ids.item_part(item, attempt)
         return self.task(
-            name, ref, stage["queue"], attempt, fence, payload, item=item, id_parts=(id_part,), report=report
+            name,
+            stage.contract,
+            stage.queue,
+            attempt,
+            fence,
+            payload,
+            item=item,
+            id_parts=(id_part,),
+            report=report,
         )
 
     def task(
@@ -298,8 +301,8 @@ def rejected(
     return Decision(verdict=verdict, history=history, remember=remember)
 
 
-def context_problems(plan: Mapping[str, Any], context: Mapping[str, Any]) -> list[str]:
-    schema = plan.get("context")
+def context_problems(plan: Plan, context: Mapping[str, Any]) -> list[str]:
+    schema = plan.context
     if schema is None:
         return []
     if certainly_fits(schema, dict(context)):

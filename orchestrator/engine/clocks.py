@@ -8,19 +8,11 @@ timer of an older attempt can never act on a newer one: the engine compares its 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
-from typing import Any
 
 from orchestrator.engine.model import Clock
+from orchestrator.engine.plan import Retry
 
 SEPARATOR = "|"
-
-# The stage fields that start each attempt clock, in the plan (``None``: the stage has no such clock).
-ATTEMPT_CLOCKS = {
-    Clock.QUEUE: "queue_deadline_ms",
-    Clock.EXECUTION: "execution_deadline_ms",
-    Clock.HEARTBEAT: "heartbeat_timeout_ms",
-}
 
 WHAT_EXPIRED = {
     Clock.QUEUE: "queue deadline of {ms} ms passed: no worker accepted the task",
@@ -42,24 +34,13 @@ def parse_member(text: str) -> tuple[str, Clock, str, str] | None:
     return parts[0], Clock(parts[1]), parts[2], parts[3]
 
 
-def attempt_clocks(stage: Mapping[str, Any]) -> list[Clock]:
-    """The attempt clocks a work stage has (those whose deadline is set)."""
-    return [clock for clock, field in ATTEMPT_CLOCKS.items() if stage.get(field)]
-
-
-def needs_acceptance(stage: Mapping[str, Any]) -> bool:
-    """Workers report acceptance (and heartbeats) only where a clock depends on it, so stages without
-    deadlines cost no extra messages."""
-    return stage.get("type") != "map" and bool(attempt_clocks(stage))
-
-
-def backoff_ms(policy: Mapping[str, Any], run_id: str, stage: str, failed_attempt: int) -> int:
+def backoff_ms(policy: Retry, run_id: str, stage: str, failed_attempt: int) -> int:
     """Exponential backoff before attempt ``failed_attempt + 1``, capped, minus a jitter fraction.
 
     The jitter is drawn from a hash of (run, stage, attempt), not a random source, so the engine stays
     pure and a replayed history schedules the same retry at the same time."""
-    base = policy["initial_backoff_ms"] * policy["backoff_multiplier"] ** (failed_attempt - 1)
-    delay = min(float(policy["max_backoff_ms"]), base)
+    base = policy.initial_backoff_ms * policy.backoff_multiplier ** (failed_attempt - 1)
+    delay = min(float(policy.max_backoff_ms), base)
     digest = hashlib.sha256(f"{run_id}\x1f{stage}\x1f{failed_attempt}".encode()).digest()
     draw = int.from_bytes(digest[:8], "big") / 2**64  # uniform in [0, 1)
-    return int(delay * (1.0 - policy["jitter"] * draw))
+    return int(delay * (1.0 - policy.jitter * draw))

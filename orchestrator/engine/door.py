@@ -23,7 +23,8 @@ from orchestrator.dsl.binding import bind, evaluate
 from orchestrator.dsl.expressions import references, tokenize
 from orchestrator.engine.builder import context_problems
 from orchestrator.engine.model import RunSnapshot, RunStatus
-from orchestrator.engine.step import WORK_STAGE_TYPES, Step
+from orchestrator.engine.plan import Bag, Fork, Join, Plan, Route, Stage, Work
+from orchestrator.engine.step import Step
 from orchestrator.errors import BindingError
 from orchestrator.wire import ids, sizes
 
@@ -33,7 +34,7 @@ STAGE_ROOT = frozenset({"stages"})
 
 
 def start_problems(
-    plan: Mapping[str, Any],
+    plan: Plan,
     digest: str,
     context: Mapping[str, Any],
     limits: sizes.Limits,
@@ -49,7 +50,7 @@ def start_problems(
 
 
 def _task_problems(
-    plan: Mapping[str, Any],
+    plan: Plan,
     digest: str,
     context: Mapping[str, Any],
     limits: sizes.Limits,
@@ -60,7 +61,7 @@ def _task_problems(
     step = Step(plan, digest, run, 0, limits=limits)
     problems = []
     for name in reached(step):
-        problem = _stage_problem(step, name, plan["stages"][name])
+        problem = _stage_problem(step, name, plan.stages[name])
         if problem is not None:
             problems.append(f"stage {name}: {problem}")
     return problems
@@ -68,40 +69,40 @@ def _task_problems(
 
 def reached(step: Step) -> list[str]:
     """The work stages a run reaches whatever its workers answer, as far as its context decides."""
-    stages = step.plan["stages"]
-    todo, seen, found = deque([step.plan["entry"]]), set(), []
+    stages = step.plan.stages
+    todo, seen, found = deque([step.plan.entry]), set(), []
     while todo:
         name = todo.popleft()
         if name in seen or name not in stages:
             continue  # a terminal, or met before
         seen.add(name)
         stage = stages[name]
-        if stage["type"] in WORK_STAGE_TYPES:
+        if isinstance(stage, Work):
             found.append(name)
-            todo.append(stage["on_success"])
-        elif stage["type"] == "fork":
-            todo.extend(stage["branches"])
-        elif stage["type"] == "join":
-            todo.append(stage["on_success"])
-        elif stage["type"] == "decision":
+            todo.append(stage.on_success)
+        elif isinstance(stage, Fork):
+            todo.extend(stage.branches)
+        elif isinstance(stage, Join):
+            todo.append(stage.on_success)
+        else:
             todo.extend(_taken(step, name, stage))
     return found
 
 
-def _taken(step: Step, name: str, stage: Mapping[str, Any]) -> list[str]:
+def _taken(step: Step, name: str, stage: Route) -> list[str]:
     """The branch a decision takes on the context alone ([] if it reads a stage, or fails). Whether it
     reads a stage is read off its expressions, not off an error: ``has(stages.x)`` is false, not an
     error, before any stage ran."""
-    if any(_reads_stages(b["when"]) for b in stage["branches"]):
+    if any(_reads_stages(b.when) for b in stage.branches):
         return []
     variables = step.variables()
-    for i, branch in enumerate(stage["branches"]):
+    for i, branch in enumerate(stage.branches):
         try:
-            taken = evaluate(branch["when"], variables, f"{name}.branches[{i}].when")
+            taken = evaluate(branch.when, variables, f"{name}.branches[{i}].when")
         except BindingError:
             return []
         if taken is True:
-            return [branch["next"]]
+            return [branch.next]
         if taken is not False:
             return []
     return []
@@ -113,14 +114,16 @@ def _reads_stages(src: str) -> bool:
     return bool(references(tokenize(src), STAGE_ROOT))
 
 
-def _stage_problem(step: Step, name: str, stage: Mapping[str, Any]) -> str | None:
+def _stage_problem(step: Step, name: str, stage: Stage) -> str | None:
     fence = ids.stage_fence(1, 1)
+    if not isinstance(stage, Work):
+        return None
     try:
-        if stage["type"] != "map":
+        if not isinstance(stage, Bag):
             task = step.stage_task(name, stage, 1, fence, step.bind_input(name, stage), None)
             problem = sizes.too_big(task.body, step.limits)
             return None if problem is None else f"the task cannot be sent: {problem}"
-        items = bind(stage["items"], step.variables(), None, f"{name}.items")
+        items = bind(stage.items, step.variables(), None, f"{name}.items")
         if not isinstance(items, list) or not items:
             return None
         inputs = [step.bind_input(name, stage, item=item, index=i) for i, item in enumerate(items)]

@@ -19,6 +19,7 @@ from orchestrator.engine.model import (
     StageRecord,
     StageStatus,
 )
+from orchestrator.engine.plan import Join
 from orchestrator.errors import BindingError
 from orchestrator.wire import bodies, ids, sizes
 from orchestrator.wire.kinds import Kind
@@ -32,9 +33,9 @@ class Ending(Builder):
 
     def set_intent(self, intent: Intent, reason: str | None) -> None:
         reason = sizes.bounded(reason) if reason else reason
-        if intent is Intent.COMPLETED and self.plan.get("output") is not None:
+        if intent is Intent.COMPLETED and self.plan.output is not None:
             try:
-                output = bind(self.plan["output"], self.variables(), None, "output")
+                output = bind(self.plan.output, self.variables(), None, "output")
                 self.write(RUN, output=dumps(output))
             except BindingError as exc:
                 intent, reason = Intent.FAILED, f"output binding failed: {exc}"
@@ -55,9 +56,7 @@ class Ending(Builder):
         """Undo what the failed run completed: stages that declare ``compensate``, newest first, one at a
         time, before the finalisers. The order is fixed now and stored, so it never changes mid-way."""
         done = []
-        for name, stage in self.plan["stages"].items():
-            if not stage.get("compensate"):
-                continue
+        for name in self.plan.compensable:
             rec = self.stage(name)
             # the order holds only for the stages as read: one completing meanwhile conflicts
             self.expect(Key("stage", name), "status", rec.status.value if rec else None)
@@ -88,7 +87,8 @@ class Ending(Builder):
 
     def compensation_task(self, name: str, index: int) -> Outgoing:
         """The task undoing stage ``name`` (the same message whenever it is built)."""
-        stage = self.plan["stages"][name]
+        stage = self.plan.work(name)
+        assert stage is not None and stage.compensate, f"{name!r} is a compensable stage of the plan"
         rec = self.stage(name)
         try:
             bound_input = self.bind_input(name, stage)  # the same input the stage was given
@@ -101,9 +101,9 @@ class Ending(Builder):
             "result": rec.result if rec else None,
         }
         fence = ids.compensation_fence(self.run.epoch, index)
-        ref = stage["compensate"]
+        ref = stage.compensate
         label = ids.compensation_label(name)
-        return self.task(label, ref, self.plan["contracts"][ref]["queue"], 1, fence, undo_input)
+        return self.task(label, ref, self.plan.contracts[ref].queue, 1, fence, undo_input)
 
     def cancel_active(self) -> None:
         """Fence off every attempt still open (queued, running, waiting for its retry): cancelled, its
@@ -111,7 +111,7 @@ class Ending(Builder):
         names = set(self.run.stages) | set(self.overlay)
         for name in sorted(names):
             rec = self.stage(name)
-            stage = self.plan["stages"].get(name, {})
+            stage = self.plan.stages.get(name)
             if rec is None or rec.status not in CANCELLABLE:
                 continue
             # cancel the attempt that was read; one that ended meanwhile conflicts (decided again)
@@ -121,7 +121,7 @@ class Ending(Builder):
             if rec.status is StageStatus.RETRY_SCHEDULED:
                 self.clear_timer(Clock.RETRY, name, rec.fence)
             self.set_stage(name, StageRecord(StageStatus.CANCELLED, rec.attempt, rec.fence))
-            if stage.get("type") == "join" or rec.status is StageStatus.RETRY_SCHEDULED:
+            if isinstance(stage, Join) or rec.status is StageStatus.RETRY_SCHEDULED:
                 continue  # nothing runs remotely: a barrier just never releases, a retry never starts
             self.record("cancellation.requested", name, rec.attempt, fence=rec.fence)
             self.request_cancel(name, rec.fence)
@@ -129,7 +129,7 @@ class Ending(Builder):
     def start_finaliser(self, index: int) -> None:
         """Dispatch finaliser ``index`` (or, past the last, finish). One whose task cannot be sent fails
         like any finaliser, and the next one runs: every finaliser is attempted."""
-        finalisers = self.plan.get("finalisers") or []
+        finalisers = self.plan.finalisers
         for position in range(index, len(finalisers)):
             self.write(RUN, finaliser_index=str(position), phase="finalising")
             task = self.finaliser_task(position)
@@ -146,16 +146,16 @@ class Ending(Builder):
         """Finaliser ``index``'s task (the same message whenever it is built: a re-send is a duplicate)."""
         run_input = {
             "run_id": self.run.run_id,
-            "definition": self.plan["name"],
-            "definition_version": self.plan["version"],
+            "definition": self.plan.name,
+            "definition_version": self.plan.version,
             "digest": self.digest,
             "intent": (self.intent or self.run.intent or Intent.FAILED).value,
             "reason": self.reason or self.run.reason,
         }
         fence = ids.finaliser_fence(self.run.epoch, index)
-        ref = self.plan["finalisers"][index]
+        ref = self.plan.finalisers[index]
         label = ids.finaliser_label(index)
-        return self.task(label, ref, self.plan["contracts"][ref]["queue"], 1, fence, run_input)
+        return self.task(label, ref, self.plan.contracts[ref].queue, 1, fence, run_input)
 
     def finish(self) -> None:
         intent = self.intent or self.run.intent
@@ -164,12 +164,12 @@ class Ending(Builder):
         # the phase ends with the run: a run left "compensating" would look poisoned mid-undo
         self.write(RUN, status=status.value, finished_at=str(self.now_ms), phase="")
         self.record(f"run.{status.value}")
-        if self.plan.get("run_deadline_ms"):
+        if self.plan.run_deadline_ms:
             self.clear_timer(Clock.RUN, "", ids.run_fence(self.run.epoch))
         written = self.writes.get(RUN, {}).get("output")
         output = json.loads(written) if written else self.run.output
         body = bodies.finished(
-            self.run.run_id, self.plan["name"], status.value, output, self.reason or self.run.reason
+            self.run.run_id, self.plan.name, status.value, output, self.reason or self.run.reason
         )
         problem = sizes.too_big(body, self.limits)
         if problem is not None:
@@ -180,7 +180,7 @@ class Ending(Builder):
             Outgoing(
                 ids.message_id("event", self.run.run_id, status.value, self.run.epoch),
                 Kind.FINISHED,
-                ("events", f"run.{status.value}.{self.plan['name']}"),
+                ("events", f"run.{status.value}.{self.plan.name}"),
                 body,
             )
         )

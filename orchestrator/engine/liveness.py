@@ -9,9 +9,6 @@ also claims its member in the shard's timer set, so a timer that was moved (a he
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 from orchestrator.engine import clocks
 from orchestrator.engine.builder import rejected
 from orchestrator.engine.model import (
@@ -30,6 +27,7 @@ from orchestrator.engine.model import (
     TimerFired,
     Verdict,
 )
+from orchestrator.engine.plan import Bag, Work
 from orchestrator.engine.step import Step
 from orchestrator.wire import ids
 
@@ -37,8 +35,8 @@ from orchestrator.wire import ids
 def _attempt_problem(step: Step, stage: str, fence: str) -> tuple[Verdict, str] | None:
     """Why an acceptance or heartbeat names no live attempt (None: it does)."""
     rec = step.run.stages.get(stage)
-    plan_stage = step.plan["stages"].get(stage)
-    if rec is None or plan_stage is None or not clocks.needs_acceptance(plan_stage):
+    plan_stage = step.plan.work(stage)
+    if rec is None or plan_stage is None or not plan_stage.needs_acceptance:
         return Verdict.INVALID, f"stage {stage!r} has no attempt that reports acceptance"
     if rec.fence != fence:
         return Verdict.STALE, f"fence {fence} is not the current {rec.fence}"
@@ -69,12 +67,13 @@ def accepted(step: Step, event: StageAccepted) -> Decision:
     rec = step.run.stages[event.stage]
     if rec.status is StageStatus.RUNNING:  # our acceptances repeat their id; another sender's might not
         return step.reject(Verdict.DUPLICATE, "the attempt was already accepted", event.stage, event.attempt)
-    stage = step.plan["stages"][event.stage]
+    stage = step.plan.stages[event.stage]
+    assert isinstance(stage, Work)  # _attempt_problem found a work stage of that name
     step.guard(event.stage, rec)
     step.set_stage(event.stage, StageRecord(StageStatus.RUNNING, rec.attempt, rec.fence))
     step.clear_timer(Clock.QUEUE, event.stage, rec.fence)
-    if stage.get("execution_deadline_ms"):
-        step.set_timer(Clock.EXECUTION, event.stage, rec.fence, stage["execution_deadline_ms"])
+    if stage.execution_deadline_ms:
+        step.set_timer(Clock.EXECUTION, event.stage, rec.fence, stage.execution_deadline_ms)
     _start_heartbeat_clock(step, event.stage, stage, rec.fence)
     step.record("stage.accepted", event.stage, rec.attempt)
     return step.decision()
@@ -93,13 +92,13 @@ def heartbeat(step: Step, event: StageHeartbeat) -> Decision:
         return step.decision(problem[0])
     rec = step.run.stages[event.stage]
     step.guard(event.stage, rec)
-    _start_heartbeat_clock(step, event.stage, step.plan["stages"][event.stage], rec.fence)
+    _start_heartbeat_clock(step, event.stage, step.plan.work(event.stage), rec.fence)
     return step.decision()
 
 
-def _start_heartbeat_clock(step: Step, name: str, stage: Mapping[str, Any], fence: str) -> None:
-    if stage.get("heartbeat_timeout_ms"):
-        step.set_timer(Clock.HEARTBEAT, name, fence, stage["heartbeat_timeout_ms"])
+def _start_heartbeat_clock(step: Step, name: str, stage: Work | None, fence: str) -> None:
+    if stage is not None and stage.heartbeat_timeout_ms:
+        step.set_timer(Clock.HEARTBEAT, name, fence, stage.heartbeat_timeout_ms)
 
 
 def timer_fired(step: Step, event: TimerFired) -> Decision:
@@ -111,7 +110,7 @@ def timer_fired(step: Step, event: TimerFired) -> Decision:
     if event.clock is Clock.RETRY and ids.parse_item_label(event.stage) is not None:
         return _item_retry(step, event)
     rec = step.run.stages.get(event.stage)
-    stage = step.plan["stages"].get(event.stage)
+    stage = step.plan.work(event.stage)
     if rec is None or stage is None or rec.fence != event.fence or step.run.intent is not None:
         return step.decision(Verdict.STALE)  # an older attempt's clock, or the run is ending
     if event.clock is Clock.RETRY:
@@ -138,7 +137,10 @@ def _item_retry(step: Step, event: TimerFired) -> Decision:
         return step.decision(Verdict.STALE)
     step.guard(name, rec)
     step.expect(Key("item", f"{name}:{item}"), "attempt", str(attempt))
-    step.dispatch_item(name, step.plan["stages"][name], rec, item, attempt)
+    bag = step.plan.stages.get(name)
+    if not isinstance(bag, Bag):
+        return step.decision(Verdict.STALE)
+    step.dispatch_item(name, bag, rec, item, attempt)
     return step.decision()
 
 
@@ -150,10 +152,10 @@ _WATCHED_BY = {
 }
 
 
-def _time_out(step: Step, event: TimerFired, stage: Mapping[str, Any], rec: StageRecord) -> None:
+def _time_out(step: Step, event: TimerFired, stage: Work, rec: StageRecord) -> None:
     """The attempt is fenced off: a later result from it is stale. The remote work may well still be
     running, so the workers are asked to stop it, and the next attempt (if any) gets a new fence."""
-    limit = stage.get(clocks.ATTEMPT_CLOCKS[event.clock])
+    limit = stage.deadline_ms(event.clock)
     error = clocks.WHAT_EXPIRED[event.clock].format(ms=limit)
     step.record("stage.timed_out", event.stage, rec.attempt, clock=event.clock.value, error=error)
     step.request_cancel(event.stage, rec.fence)
@@ -165,7 +167,7 @@ def _run_deadline(step: Step, event: TimerFired) -> Decision:
     current = event.fence == ids.run_fence(run.epoch)
     if not current or run.intent is not None or run.status is not RunStatus.RUNNING:
         return step.decision(Verdict.STALE)
-    error = clocks.WHAT_EXPIRED[Clock.RUN].format(ms=step.plan.get("run_deadline_ms"))
+    error = clocks.WHAT_EXPIRED[Clock.RUN].format(ms=step.plan.run_deadline_ms)
     step.record("run.timed_out", error=error)
     step.set_intent(Intent.FAILED, error)
     return step.decision()

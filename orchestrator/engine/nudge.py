@@ -8,9 +8,7 @@ and a compensation or finaliser fails like any other and the next one runs.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from orchestrator.dsl.binding import bind
 from orchestrator.engine.builder import rejected
@@ -24,6 +22,7 @@ from orchestrator.engine.model import (
     StageRecord,
     Verdict,
 )
+from orchestrator.engine.plan import Bag, Join, Work
 from orchestrator.engine.step import Step
 from orchestrator.errors import BindingError
 from orchestrator.wire import sizes
@@ -77,19 +76,18 @@ def _resend_work(step: Step) -> None:
     (one arrival per transition); a later nudge takes care of what is left."""
     resend: list[Outgoing] = []
     for name, rec in sorted(step.run.stages.items()):
-        stage = step.plan["stages"].get(name, {})
+        stage = step.plan.stages.get(name)
         if rec.status not in ACTIVE_STAGE_STATUSES:
             continue
-        kind = stage.get("type")
-        if kind in ("join", "map") and step.run.barriers.get(name) == 0:
+        if isinstance(stage, (Join, Bag)) and step.run.barriers.get(name) == 0:
             step.guard(name, rec)
             step.expect(Key("counter", name), "remaining", "0")
             resend.append(step.release(name, rec.fence))
             continue
-        if kind in ("action", "worker"):
-            found = _task_again(step, name, stage, rec)
-        elif kind == "map":
+        if isinstance(stage, Bag):
             found = _items_again(step, name, stage, rec)
+        elif isinstance(stage, Work):
+            found = _task_again(step, name, stage, rec)
         else:
             continue
         if isinstance(found, _CannotSend):
@@ -102,9 +100,7 @@ def _resend_work(step: Step) -> None:
     step.outgoing += resend
 
 
-def _items_again(
-    step: Step, name: str, stage: Mapping[str, Any], rec: StageRecord
-) -> list[Outgoing] | _CannotSend:
+def _items_again(step: Step, name: str, stage: Bag, rec: StageRecord) -> list[Outgoing] | _CannotSend:
     """The tasks of a bag's items sent and not arrived, each under its current attempt (same ids: an
     item that was only slow becomes a duplicate), and a chunked bag's refill once it is due (a refill
     already applied is refused as a duplicate)."""
@@ -116,7 +112,7 @@ def _items_again(
     if rec.items is not None and sent < rec.items and len(arrived) >= step.refill_at(rec, sent):
         refill = [step.refill(name, rec.fence, sent)]
     try:
-        items = bind(stage["items"], step.variables(), None, f"{name}.items")
+        items = bind(stage.items, step.variables(), None, f"{name}.items")
         payloads = [step.bind_input(name, stage, item=items[i], index=i) for i in missing]
     except (BindingError, IndexError, TypeError) as exc:
         return _CannotSend(f"its items cannot be sent again: {exc}", rec.attempt)
@@ -131,9 +127,7 @@ def _items_again(
     return tasks + refill
 
 
-def _task_again(
-    step: Step, name: str, stage: Mapping[str, Any], rec: StageRecord
-) -> list[Outgoing] | _CannotSend:
+def _task_again(step: Step, name: str, stage: Work, rec: StageRecord) -> list[Outgoing] | _CannotSend:
     """An attempt's task again, unless it can no longer be sent (the message limit was lowered since,
     or it was committed before tasks were measured): sending it would only park another copy on
     saga.rejected."""

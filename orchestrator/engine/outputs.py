@@ -24,6 +24,7 @@ from jsonschema.exceptions import UnknownType
 from referencing.exceptions import Unresolvable
 
 from orchestrator.dsl.fastcheck import certainly_fits
+from orchestrator.engine.plan import Plan
 from orchestrator.wire import sizes
 
 __all__ = ["output_problem", "output_validator"]
@@ -65,11 +66,11 @@ def _compile(schema: Mapping[str, Any]) -> Validator | str:
     return Validator(schema)
 
 
-def output_problem(plan: Mapping[str, Any], ref: str, result: Any) -> str | None:
+def output_problem(plan: Plan, ref: str, result: Any) -> str | None:
     """Why ``result`` does not fit the output schema of contract ``ref`` in ``plan`` (None: it fits, or
     the plan pins no output schema for ``ref``)."""
-    contract = plan.get("contracts", {}).get(ref)
-    schema = contract.get("output_schema") if isinstance(contract, Mapping) else None
+    contract = plan.contracts.get(ref)
+    schema = contract.output_schema if contract is not None else None
     if not isinstance(schema, Mapping):
         return None
     validator = output_validator(schema)

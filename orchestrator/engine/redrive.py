@@ -98,9 +98,9 @@ def redrive(step: Step, event: Redrive) -> Decision:
         undoing = run.compensations[run.compensation_index]
         walk.set_stage(undoing, dataclasses.replace(run.stages[undoing], status=StageStatus.COMPENSATED))
         walk.record("compensation.abandoned", ids.compensation_label(undoing), by=event.requested_by)
-    if step.plan.get("run_deadline_ms"):
-        walk.set_timer(Clock.RUN, "", ids.run_fence(epoch), step.plan["run_deadline_ms"])
-    walk.enter(None, step.plan["entry"])
+    if step.plan.run_deadline_ms:
+        walk.set_timer(Clock.RUN, "", ids.run_fence(epoch), step.plan.run_deadline_ms)
+    walk.enter(None, step.plan.entry)
     return walk.decision()
 
 

@@ -8,7 +8,6 @@ entered in one transition lands in the same Decision, which the store applies at
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,12 +15,12 @@ from orchestrator.dsl.binding import bind, evaluate
 from orchestrator.engine import clocks
 from orchestrator.engine.ending import Ending
 from orchestrator.engine.model import Arrival, BarrierInit, Clock, Intent, Key, StageRecord, StageStatus
+from orchestrator.engine.plan import Bag, Fork, Join, Route, Work
 from orchestrator.errors import BindingError
 from orchestrator.wire import ids, sizes
 from orchestrator.wire.outgoing import Outgoing
 
 TERMINALS = frozenset(i.value for i in Intent)
-WORK_STAGE_TYPES = frozenset({"action", "worker", "map"})
 
 
 class Step(Ending):
@@ -38,47 +37,46 @@ class Step(Ending):
             reason = None if target == Intent.COMPLETED else f"{source}: {why or outcome}"
             self.set_intent(Intent(target), reason)
             return
-        stage = self.plan["stages"][target]
-        kind = stage["type"]
-        if kind in WORK_STAGE_TYPES and self._reuse(target):
+        stage = self.plan.stages[target]
+        if isinstance(stage, Work) and self._reuse(target, stage):
             return
-        if kind == "join":
+        if isinstance(stage, Join):
             self._arrive(source, target, stage, outcome)
-        elif kind == "decision":
+        elif isinstance(stage, Route):
             self._decide(target, stage)
-        elif kind == "fork":
+        elif isinstance(stage, Fork):
             self._fork(target, stage)
-        elif kind == "map":
+        elif isinstance(stage, Bag):
             self._map(target, stage)
         else:
             self.dispatch(target, stage, attempt=1)
 
-    def _decide(self, name: str, stage: Mapping[str, Any]) -> None:
+    def _decide(self, name: str, stage: Route) -> None:
         fence = ids.stage_fence(self.run.epoch, 1)
         previous = self.stage(name)
         self.expect(Key("stage", name), "fence", previous.fence if previous else None)
         variables = self.variables()
-        for i, branch in enumerate(stage["branches"]):
+        for i, branch in enumerate(stage.branches):
             try:
-                taken = evaluate(branch["when"], variables, f"{name}.branches[{i}].when")
+                taken = evaluate(branch.when, variables, f"{name}.branches[{i}].when")
             except BindingError as exc:
                 self.set_stage(name, StageRecord(StageStatus.FAILED, 1, fence, error=str(exc)))
                 self.record("decision.failed", name, error=str(exc))
-                self.enter(name, stage["on_evaluation_error"], "failed", f"evaluation error: {exc}")
+                self.enter(name, stage.on_evaluation_error, "failed", f"evaluation error: {exc}")
                 return
             if not isinstance(taken, bool):
                 error = f"branch {i} gave {taken!r}, not a boolean"
                 self.set_stage(name, StageRecord(StageStatus.FAILED, 1, fence, error=error))
                 self.record("decision.failed", name, error=error)
-                self.enter(name, stage["on_evaluation_error"], "failed", f"evaluation error: {error}")
+                self.enter(name, stage.on_evaluation_error, "failed", f"evaluation error: {error}")
                 return
             if taken:
                 self.set_stage(name, StageRecord(StageStatus.COMPLETED, 1, fence, result={"branch": i}))
-                self.record("decision.taken", name, branch=i, next=branch["next"])
-                self.enter(name, branch["next"], why=f"branch {i} ({branch['when']}) was taken")
+                self.record("decision.taken", name, branch=i, next=branch.next)
+                self.enter(name, branch.next, why=f"branch {i} ({branch.when}) was taken")
                 return
 
-    def _reuse(self, name: str) -> bool:
+    def _reuse(self, name: str, stage: Work) -> bool:
         """A work stage that completed in an earlier epoch (and was not compensated) keeps its result and
         is not run again; the route goes on from it, in whichever transition of the re-driven epoch
         reaches it, not only the re-drive's own walk."""
@@ -90,20 +88,20 @@ class Step(Ending):
             return False  # completed in this epoch: the compiler keeps routes from entering it again
         self.expect(Key("stage", name), "fence", rec.fence)
         self.record("stage.reused", name, rec.attempt, from_fence=rec.fence)
-        self.enter(name, self.plan["stages"][name]["on_success"])
+        self.enter(name, stage.on_success)
         return True
 
-    def _fork(self, name: str, stage: Mapping[str, Any]) -> None:
+    def _fork(self, name: str, stage: Fork) -> None:
         fence = ids.stage_fence(self.run.epoch, 1)
         previous = self.run.stages.get(name)  # set in an earlier epoch, when re-driven
         self.expect(Key("stage", name), "fence", previous.fence if previous else None)
         self.set_stage(name, StageRecord(StageStatus.COMPLETED, 1, fence))
-        join = self._join_of(name)
-        init = BarrierInit(Key("barrier", join), len(stage["branches"]))
+        join = stage.join
+        init = BarrierInit(Key("barrier", join), len(stage.branches))
         self.barriers.append(init)
         self.set_stage(join, StageRecord(StageStatus.RUNNING, 1, fence))
-        self.record("fork.released", name, branches=list(stage["branches"]))
-        for branch in stage["branches"]:
+        self.record("fork.released", name, branches=list(stage.branches))
+        for branch in stage.branches:
             self.enter(name, branch)
         early = self.early_arrivals.pop(join, [])
         if early:  # branches that arrived at once are members now; the barrier waits for the rest
@@ -112,20 +110,21 @@ class Step(Ending):
             if len(early) == init.count and self.intent is None:
                 self.set_stage(join, StageRecord(StageStatus.COMPLETED, 1, fence))
                 self.record("join.released", join, 1)
-                self.enter(join, self.plan["stages"][join]["on_success"])
+                self.enter(join, self._join(join).on_success)
 
-    def _join_of(self, fork: str) -> str:
-        return next(
-            str(n) for n, s in self.plan["stages"].items() if s["type"] == "join" and s["fork"] == fork
-        )
+    def _join(self, name: str) -> Join:
+        stage = self.plan.stages[name]
+        assert isinstance(stage, Join), f"{name!r} is a fork's join in the compiled plan"
+        return stage
 
-    def _arrive(self, source: str | None, join: str, stage: Mapping[str, Any], outcome: str) -> None:
-        branch = self.plan["stages"][source]["arrives_at"]["branch"] if source else ""
-        if outcome not in stage["acceptable_terminal_states"]:
+    def _arrive(self, source: str | None, join: str, stage: Join, outcome: str) -> None:
+        end = self.plan.stages[source].arrives_at if source else None
+        branch = end.branch if end else ""
+        if outcome not in stage.acceptable_terminal_states:
             self.record("join.failed", join, branch=branch, outcome=outcome)
             rec = self.stage(join)
             self.set_stage(join, StageRecord(StageStatus.FAILED, 1, rec.fence if rec else "", error=outcome))
-            self.enter(join, stage["on_failure"], "failed", f"branch {branch!r} arrived {outcome}")
+            self.enter(join, stage.on_failure, "failed", f"branch {branch!r} arrived {outcome}")
             return
         if any(b.key.name == join for b in self.barriers):
             # the branch arrives in the transition that opens the join: counted by the fork
@@ -138,18 +137,18 @@ class Step(Ending):
         self.record("branch.arrived", join, branch=branch, outcome=outcome)
         self.arrival = Arrival(Key("barrier", join), branch, release)
 
-    def _map(self, name: str, stage: Mapping[str, Any]) -> None:
+    def _map(self, name: str, stage: Bag) -> None:
         try:
-            items = bind(stage["items"], self.variables(), None, f"{name}.items")
+            items = bind(stage.items, self.variables(), None, f"{name}.items")
         except BindingError as exc:
             self.fail_to_start(name, stage, str(exc))
             return
         if not isinstance(items, list):
             self.fail_to_start(name, stage, f"items gave a {type(items).__name__}, not a list")
             return
-        if len(items) > stage["max_items"]:
+        if len(items) > stage.max_items:
             self.fail_to_start(
-                name, stage, f"items has {len(items)} entries, over max_items {stage['max_items']}"
+                name, stage, f"items has {len(items)} entries, over max_items {stage.max_items}"
             )
             return
         fence = ids.stage_fence(self.run.epoch, 1)
@@ -162,7 +161,7 @@ class Step(Ending):
         if not items:
             self.set_stage(name, StageRecord(StageStatus.COMPLETED, 1, fence, result=[]))
             self.record("stage.completed", name, 1, items=0)
-            self.enter(name, stage["on_success"])
+            self.enter(name, stage.on_success)
             return
         # a bag larger than the window sends its first chunk now, the rest as items arrive (refill)
         sent = min(len(items), self.limits.bag_window)
@@ -181,17 +180,15 @@ class Step(Ending):
             self.removes += [(Key("stage", name), "sent"), (Key("stage", name), "window")]
         self.barriers.append(BarrierInit(Key("barrier", name), len(items)))
         self.outgoing += tasks
-        self.record(
-            "stage.dispatched", name, 1, items=len(items), queue=stage["queue"], **_chunk(sent, items)
-        )
-        if stage.get("execution_deadline_ms"):  # a bag has one clock: from dispatch to its last item
-            self.set_timer(Clock.EXECUTION, name, fence, stage["execution_deadline_ms"])
+        self.record("stage.dispatched", name, 1, items=len(items), queue=stage.queue, **_chunk(sent, items))
+        if stage.execution_deadline_ms:  # a bag has one clock: from dispatch to its last item
+            self.set_timer(Clock.EXECUTION, name, fence, stage.execution_deadline_ms)
 
-    def send_items(self, name: str, stage: Mapping[str, Any], rec: StageRecord, start: int) -> None:
+    def send_items(self, name: str, stage: Bag, rec: StageRecord, start: int) -> None:
         """A chunked bag's next chunk: the items from ``start`` on, a window of them at most. Items that
         cannot be bound or sent now fail the bag, as they would have at its start."""
         try:
-            items = bind(stage["items"], self.variables(), None, f"{name}.items")
+            items = bind(stage.items, self.variables(), None, f"{name}.items")
         except BindingError as exc:
             items = exc
         if not isinstance(items, list) or len(items) != rec.items:
@@ -210,7 +207,7 @@ class Step(Ending):
         self.record("items.dispatched", name, rec.attempt, first=start, last=stop - 1, of=rec.items)
 
     def _item_tasks(
-        self, name: str, stage: Mapping[str, Any], fence: str, items: list[Any], start: int, stop: int
+        self, name: str, stage: Bag, fence: str, items: list[Any], start: int, stop: int
     ) -> list[Outgoing] | _Unsendable:
         """The first-attempt tasks of items ``start`` to ``stop`` - 1, or why they cannot be sent."""
         tasks = []
@@ -241,7 +238,7 @@ class Step(Ending):
                 )
         return None
 
-    def dispatch(self, name: str, stage: Mapping[str, Any], attempt: int) -> None:
+    def dispatch(self, name: str, stage: Work, attempt: int) -> None:
         try:
             payload = self.bind_input(name, stage)
         except BindingError as exc:
@@ -255,30 +252,26 @@ class Step(Ending):
             return
         self.expect(Key("stage", name), "fence", previous.fence if previous else None)
         self.set_stage(name, StageRecord(StageStatus.DISPATCHED, attempt, fence))
-        self.record("stage.dispatched", name, attempt, queue=stage["queue"])
-        if stage.get("queue_deadline_ms"):
-            self.set_timer(Clock.QUEUE, name, fence, stage["queue_deadline_ms"])
+        self.record("stage.dispatched", name, attempt, queue=stage.queue)
+        if stage.queue_deadline_ms:
+            self.set_timer(Clock.QUEUE, name, fence, stage.queue_deadline_ms)
 
-    def resend_task(self, name: str, stage: Mapping[str, Any], rec: StageRecord) -> Outgoing:
+    def resend_task(self, name: str, stage: Work, rec: StageRecord) -> Outgoing:
         """The current attempt's task again: same id, fence and input (the reconciler's nudge)."""
         return self.stage_task(name, stage, rec.attempt, rec.fence, self.bind_input(name, stage), None)
 
-    def retry_item(
-        self, name: str, stage: Mapping[str, Any], rec: StageRecord, item: int, failed: int
-    ) -> None:
+    def retry_item(self, name: str, stage: Bag, rec: StageRecord, item: int, failed: int) -> None:
         """A map item failed and may pass on another attempt: only it runs again, after its backoff; the
         map's other items and its fence are untouched."""
         label = ids.item_label(name, item)
-        delay = clocks.backoff_ms(stage["retry"], self.run.run_id, label, failed)
+        delay = clocks.backoff_ms(stage.retry, self.run.run_id, label, failed)
         self.write(Key("item", f"{name}:{item}"), attempt=str(failed + 1))
         self.set_timer(Clock.RETRY, label, rec.fence, delay)
         self.record("retry.scheduled", name, failed, item=item, next_attempt=failed + 1, delay_ms=delay)
 
-    def dispatch_item(
-        self, name: str, stage: Mapping[str, Any], rec: StageRecord, item: int, attempt: int
-    ) -> None:
+    def dispatch_item(self, name: str, stage: Bag, rec: StageRecord, item: int, attempt: int) -> None:
         try:
-            items = bind(stage["items"], self.variables(), None, f"{name}.items")
+            items = bind(stage.items, self.variables(), None, f"{name}.items")
             payload = self.bind_input(name, stage, item=items[item], index=item)
         except (BindingError, IndexError, TypeError) as exc:  # the items changed: nothing to retry
             self._fail_item_dispatch(name, stage, rec, item, attempt, str(exc), "binding")
@@ -293,7 +286,7 @@ class Step(Ending):
     def _fail_item_dispatch(
         self,
         name: str,
-        stage: Mapping[str, Any],
+        stage: Bag,
         rec: StageRecord,
         item: int,
         attempt: int,
@@ -303,12 +296,12 @@ class Step(Ending):
         """A retried item cannot be dispatched: the map fails (another attempt would meet the same)."""
         self.set_stage(name, StageRecord(StageStatus.FAILED, rec.attempt, rec.fence, error=error))
         self.record("stage.failed", name, attempt, item=item, error=error, reason=reason)
-        self.enter(name, stage["on_failure"], "failed", error)
+        self.enter(name, stage.on_failure, "failed", error)
 
     def fail_attempt(
         self,
         name: str,
-        stage: Mapping[str, Any],
+        stage: Work,
         rec: StageRecord,
         error: str,
         *,
@@ -318,8 +311,8 @@ class Step(Ending):
         """The current attempt failed or timed out: schedule the next attempt through a durable timer if
         the policy allows and the failure may pass, else follow ``on_failure``."""
         self.clear_attempt_clocks(name, rec.fence)
-        policy = stage["retry"]
-        if retryable and rec.attempt < policy["max_attempts"] and stage["type"] != "map":
+        policy = stage.retry
+        if retryable and rec.attempt < policy.max_attempts and not isinstance(stage, Bag):
             delay = clocks.backoff_ms(policy, self.run.run_id, name, rec.attempt)
             waiting = StageRecord(StageStatus.RETRY_SCHEDULED, rec.attempt, rec.fence, error=error)
             self.set_stage(name, waiting)
@@ -327,9 +320,9 @@ class Step(Ending):
             self.record("retry.scheduled", name, rec.attempt, next_attempt=rec.attempt + 1, delay_ms=delay)
             return
         self.set_stage(name, StageRecord(status, rec.attempt, rec.fence, error=error))
-        self.enter(name, stage["on_failure"], status.value, error)
+        self.enter(name, stage.on_failure, status.value, error)
 
-    def fail_to_start(self, name: str, stage: Mapping[str, Any], error: str, reason: str = "binding") -> None:
+    def fail_to_start(self, name: str, stage: Work, error: str, reason: str = "binding") -> None:
         """A stage whose input cannot be bound (``reason`` binding), or whose task(s) cannot be sent
         (``size``), fails without being dispatched, and follows on_failure."""
         previous = self.stage(name)
@@ -337,7 +330,7 @@ class Step(Ending):
         self.expect(Key("stage", name), "fence", previous.fence if previous else None)
         self.set_stage(name, StageRecord(StageStatus.FAILED, 1, fence, error=error))
         self.record("stage.failed", name, 1, error=error, reason=reason)
-        self.enter(name, stage["on_failure"], "failed", error)
+        self.enter(name, stage.on_failure, "failed", error)
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from orchestrator.engine.model import (
     TimerFired,
     Verdict,
 )
+from orchestrator.engine.plan import Plan
 from orchestrator.governance.lifecycle import NotStartable, State, choose
 from orchestrator.governance.store import DefinitionStore, DigestInfo
 from orchestrator.shard.events import start_body, to_event
@@ -98,7 +99,7 @@ class Processor:
         for i in sorted(set(indices) - set(starts) - set(continues)):
             outcomes[i] = await self._handle(shard, envelopes[i])
         # (index, event, plan, digest or None: a continue takes its run's pinned digest)
-        work: list[tuple[int, Event, dict[str, Any] | None, str | None]] = []
+        work: list[tuple[int, Event, Plan | None, str | None]] = []
         unread: set[str] = set()  # runs claimed just now: nothing to read
         with TRACE.span("claim", [envelopes[i].message_id for i in starts]):
             work += await self._claimed_starts(shard, starts, envelopes, outcomes, unread)
@@ -113,7 +114,7 @@ class Processor:
         traced = [envelopes[i].message_id for i, *_ in work]
         with TRACE.span("snapshot", traced):
             read = await self._read(shard, [envelopes[i].run_id for i, *_ in work], unread)
-        ready: list[tuple[int, Event, dict[str, Any], Decision]] = []
+        ready: list[tuple[int, Event, Plan, Decision]] = []
         now = self.clock_ms()
         with TRACE.span("engine", traced):
             careful = await self._decide_round(shard, work, envelopes, read, now, ready)
@@ -144,11 +145,11 @@ class Processor:
     async def _decide_round(
         self,
         shard: str,
-        work: list[tuple[int, Event, dict[str, Any] | None, str | None]],
+        work: list[tuple[int, Event, Plan | None, str | None]],
         envelopes: list[Envelope],
         read: dict[str, _Read],
         now: int,
-        ready: list[tuple[int, Event, dict[str, Any], Decision]],
+        ready: list[tuple[int, Event, Plan, Decision]],
     ) -> list[int]:
         """The engine's decision for each message of the round whose plan and snapshot are in hand,
         appended to ``ready``; returns the messages the careful path must handle instead."""
@@ -157,7 +158,7 @@ class Processor:
             run = read[envelopes[i].run_id]
             snapshot = run.snapshot
             digest = start_digest or (snapshot.digest if snapshot else None)
-            plan = start_plan or (await self.store.plan(digest) if digest else None)
+            plan = start_plan or (await self.store.typed_plan(digest) if digest else None)
             if plan is None or digest is None or (start_plan is None and _needs_map_results(event, plan)):
                 careful.append(i)
                 continue
@@ -181,7 +182,7 @@ class Processor:
         envelopes: list[Envelope],
         outcomes: list[Outcome | None],
         unread: set[str],
-    ) -> list[tuple[int, Event, dict[str, Any] | None, str | None]]:
+    ) -> list[tuple[int, Event, Plan | None, str | None]]:
         """Starts that name their plan, claimed for this shard in one pipeline; others take the careful
         path (which resolves the active version, or refuses with the reason). Runs this call claimed
         first are added to ``unread``: they have no record to read (creating one that exists after all
@@ -202,11 +203,11 @@ class Processor:
                 outcomes[i] = refusal
                 continue
             try:
-                candidates.append((i, await self.store.plan(digest), digest, context))
+                candidates.append((i, await self.store.typed_plan(digest), digest, context))
             except PlanNotFound as exc:
                 outcomes[i] = Outcome(rejected=("unknown-definition", str(exc)))
         owners = await self.store.claim_fresh([envelopes[i].run_id for i, *_ in candidates], shard)
-        claimed: list[tuple[int, Event, dict[str, Any] | None, str | None]] = []
+        claimed: list[tuple[int, Event, Plan | None, str | None]] = []
         for (i, plan, digest, context), (owner, fresh) in zip(candidates, owners, strict=True):
             envelope = envelopes[i]
             if owner != shard:
@@ -222,7 +223,7 @@ class Processor:
     async def _apply_ready(
         self,
         shard: str,
-        ready: list[tuple[int, Event, dict[str, Any], Decision]],
+        ready: list[tuple[int, Event, Plan, Decision]],
         envelopes: list[Envelope],
         outcomes: list[Outcome | None],
         now: int,
@@ -304,7 +305,7 @@ class Processor:
         if refusal is not None:
             return refusal
         try:
-            plan = await self.store.plan(digest)
+            plan = await self.store.typed_plan(digest)
         except PlanNotFound as exc:
             return Outcome(rejected=("unknown-definition", str(exc)))
         owner = await self.store.claim(envelope.run_id, shard)
@@ -397,25 +398,24 @@ class Processor:
         if loaded is None:
             return Outcome(rejected=("unknown-run", f"run {run_id} does not exist on {shard}"))
         plan, snapshot = loaded
-        bags = tuple(n for n in snapshot.stages if plan["stages"].get(n, {}).get("type") == "map")
+        bags = tuple(n for n in snapshot.stages if n in plan.bags)
         if bags:  # which items arrived, read again on every retry: the nudge re-sends the others
             snapshot = dataclasses.replace(snapshot, arrivals=await self.store.arrivals(shard, run_id, bags))
         event = Nudge(message_id)
         decided = await self._decide(shard, run_id, event, plan, snapshot.digest, None, snapshot, bags)
         return count("nudge", decided)
 
-    async def _load(self, shard: str, run_id: str) -> tuple[dict[str, Any], RunSnapshot] | None:
+    async def _load(self, shard: str, run_id: str) -> tuple[Plan, RunSnapshot] | None:
         """A run's plan and snapshot, or None if the run does not exist on this shard."""
         snapshot = await self.store.snapshot(shard, run_id)
         if snapshot is None:
             return None
-        return await self.store.plan(snapshot.digest), snapshot
+        return await self.store.typed_plan(snapshot.digest), snapshot
 
     async def _continue_with(
-        self, shard: str, run_id: str, event: Event, plan: dict[str, Any], snapshot: RunSnapshot
+        self, shard: str, run_id: str, event: Event, plan: Plan, snapshot: RunSnapshot
     ) -> Outcome:
-        stage = plan["stages"].get(getattr(event, "stage", ""), {})
-        map_stage = event.stage if isinstance(event, BarrierReleased) and stage.get("type") == "map" else None
+        map_stage = event.stage if isinstance(event, BarrierReleased) and event.stage in plan.bags else None
         first = snapshot if map_stage is None else None
         return await self._decide(shard, run_id, event, plan, snapshot.digest, map_stage, first)
 
@@ -424,7 +424,7 @@ class Processor:
         shard: str,
         run_id: str,
         event: Event,
-        plan: dict[str, Any],
+        plan: Plan,
         digest: str,
         map_stage: str | None,
         first: RunSnapshot | None = None,
@@ -497,10 +497,9 @@ def _is_item_success(envelope: Envelope) -> bool:
     return envelope.kind is Kind.RESULT and envelope.item is not None and envelope.body.get("ok") is True
 
 
-def _needs_map_results(event: Event, plan: dict[str, Any]) -> bool:
-    if not isinstance(event, BarrierReleased):
-        return False
-    return bool(plan["stages"].get(event.stage, {}).get("type") == "map")
+def _needs_map_results(event: Event, plan: Plan) -> bool:
+    """A bag's release reads the items' results (the careful path's snapshot), which a batch does not."""
+    return isinstance(event, BarrierReleased) and event.stage in plan.bags
 
 
 def _to_publish(decision: Decision, code: int, detail: str) -> list[Outgoing]:

@@ -9,7 +9,6 @@ moves between the status ones when its status changes, in the same atomic call.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 from orchestrator.engine.model import Decision, RunStatus
@@ -31,11 +30,10 @@ def status_facets(keys: ShardKeys, definition: str, version: str, status: str) -
 
 
 def index_spec(
-    keys: ShardKeys, run_id: str, plan: Mapping[str, Any], first_key: int
+    keys: ShardKeys, run_id: str, definition: str, version: str, first_key: int
 ) -> tuple[dict[str, Any], list[str]]:
     """The spec's ``index`` block of a transition that creates its run or changes its status, and the
     KEYS it names, numbered from ``first_key`` (1-based, as Lua sees them)."""
-    definition, version = str(plan["name"]), str(plan["version"])
     extra: list[str] = []
 
     def positions(names: list[str]) -> list[int]:

@@ -23,6 +23,7 @@ from redis.exceptions import ResponseError
 from orchestrator import metrics
 from orchestrator.engine import clocks
 from orchestrator.engine.model import Decision, RunSnapshot
+from orchestrator.engine.plan import Plan, typed_plan
 from orchestrator.errors import SagaError
 from orchestrator.store.connect import load_function_library
 from orchestrator.store.facets import changes_status, index_spec
@@ -34,7 +35,6 @@ if TYPE_CHECKING:
 from orchestrator.store.spec import (
     Spec,
     bag_members,
-    barrier_stages,
     build_spec,
     ordered_items,
     poison_spec,
@@ -96,6 +96,7 @@ class RedisStore:
     prefix: str = "saga"
     retention_ms: int = 7 * 86_400_000
     _plans: dict[str, dict[str, Any]] = field(default_factory=dict)
+    _typed_plans: dict[str, Plan] = field(default_factory=dict)
     _plan_versions: dict[str, dict[str, str]] = field(default_factory=dict)
 
     def keys(self, shard: str) -> ShardKeys:
@@ -180,7 +181,7 @@ class RedisStore:
         return [_text(record) if record else None for record in replies]
 
     async def apply_many(
-        self, shard: str, transitions: list[tuple[str, str, Decision, Mapping[str, Any]]], now_ms: int
+        self, shard: str, transitions: list[tuple[str, str, Decision, Plan]], now_ms: int
     ) -> list[ApplyResult]:
         """Many transitions (of different runs) pipelined: each is still its own atomic FCALL."""
         calls = [self._call(shard, *transition, now_ms) for transition in transitions]
@@ -209,7 +210,7 @@ class RedisStore:
         run_id: str,
         message_id: str,
         decision: Decision,
-        plan: Mapping[str, Any],
+        plan: Plan,
         now_ms: int,
     ) -> ApplyResult:
         return _result(await self._fcall(*self._call(shard, run_id, message_id, decision, plan, now_ms)))
@@ -220,12 +221,12 @@ class RedisStore:
         run_id: str,
         message_id: str,
         decision: Decision,
-        plan: Mapping[str, Any],
+        plan: Plan,
         now_ms: int,
     ) -> tuple[Spec, list[str]]:
         """The spec of one transition and the KEYS it touches."""
-        barriers = barrier_stages(plan)
-        bags = [b for b in barriers if plan["stages"][b]["type"] == "map"]
+        barriers = list(plan.barriers)
+        bags = [b for b in barriers if b in plan.bags]
         spec = build_spec(
             decision,
             run_id=run_id,
@@ -237,7 +238,9 @@ class RedisStore:
         )
         keys = self.keys(shard).transition_keys(run_id, barriers, bags)
         if changes_status(decision):
-            spec.body["index"], facets = index_spec(self.keys(shard), run_id, plan, len(keys) + 1)
+            spec.body["index"], facets = index_spec(
+                self.keys(shard), run_id, plan.name, plan.version, len(keys) + 1
+            )
             keys += facets
         return spec, keys
 
@@ -264,8 +267,9 @@ class RedisStore:
         keys = self.keys(shard).transition_keys(run_id, [])
         definition, version = await self.client.hmget(self.keys(shard).run(run_id), ["definition", "version"])  # type: ignore[misc]
         if definition is not None and version is not None:  # the run's listing indexes follow its status
-            plan = {"name": _str(definition), "version": _str(version)}
-            spec.body["index"], facets = index_spec(self.keys(shard), run_id, plan, len(keys) + 1)
+            spec.body["index"], facets = index_spec(
+                self.keys(shard), run_id, _str(definition), _str(version), len(keys) + 1
+            )
             keys += facets
         code, _ = await self._fcall(spec, keys)
         return Reply(int(code))
@@ -371,6 +375,13 @@ class RedisStore:
         plan: dict[str, Any] = json.loads(raw)["plan"]
         self._plans[digest] = plan  # plans are immutable: cache by digest for the process's life
         return plan
+
+    async def typed_plan(self, digest: str) -> Plan:
+        """Plan ``digest`` as the engine reads it, built once per digest for the process's life."""
+        cached = self._typed_plans.get(digest)
+        if cached is None:
+            cached = self._typed_plans[digest] = typed_plan(await self.plan(digest))
+        return cached
 
     async def plan_versions(self, digest: str) -> dict[str, str]:
         """The tool versions (DSL, compiler, engine) stored beside plan ``digest``, which a run of it pins

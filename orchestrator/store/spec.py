@@ -49,11 +49,6 @@ def counter_field(stage: str) -> str:
     return f"b:{stage}"
 
 
-def barrier_stages(plan: Mapping[str, Any]) -> list[str]:
-    """The stages of a plan that own a barrier hash (joins and maps), in a stable order."""
-    return sorted(n for n, s in plan["stages"].items() if s["type"] in ("join", "map"))
-
-
 def bag_members(in_hash: Mapping[str, str], results: Iterable[str]) -> dict[str, str]:
     """A map's arrived items (item index -> result JSON), from its hash (a bag opened in that form) and
     its results list."""

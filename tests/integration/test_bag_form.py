@@ -18,10 +18,11 @@ import pytest
 from orchestrator.compiler import CompiledPlan
 from orchestrator.engine import advance
 from orchestrator.engine.model import BagRefill, BarrierReleased, RunSnapshot
+from orchestrator.engine.plan import Plan
 from orchestrator.store.keys import ShardKeys
 from orchestrator.store.redis_store import RedisStore, function_name
 from orchestrator.store.replies import APPLIED, DUPLICATE
-from orchestrator.store.spec import barrier_stages, build_spec
+from orchestrator.store.spec import build_spec
 from orchestrator.wire.sizes import DEFAULT_BAG_WINDOW
 from tests.integration.test_store import NOW, SHARD, redis_apply, started, task_result, with_store
 
@@ -89,10 +90,10 @@ def test_a_live_bag_keeps_at_most_64_bytes_of_bookkeeping_per_item(width: int) -
         payload = 0
         for index in range(width - 1):
             event = task_result(tasks[index])
-            decision = advance(plan.plan, plan.digest, read, event, NOW)
+            decision = advance(plan.typed, plan.digest, read, event, NOW)
             assert decision.arrival is not None and decision.arrival.result is not None
             payload += len(decision.arrival.result.encode())
-            result = await store.apply(SHARD, run_id, event.message_id, decision, plan.plan, NOW)
+            result = await store.apply(SHARD, run_id, event.message_id, decision, plan.typed, NOW)
             assert result.code == APPLIED
             refills = decision.arrival.continuations(int(result.detail))
             if refills:
@@ -124,7 +125,7 @@ def test_a_live_bag_keeps_at_most_64_bytes_of_bookkeeping_per_item(width: int) -
         # And the last item releases the bag once, with every result in item order
         last = task_result(tasks[-1])
         done = await store.apply(
-            SHARD, run_id, last.message_id, advance(plan.plan, plan.digest, read, last, NOW), plan.plan, NOW
+            SHARD, run_id, last.message_id, advance(plan.typed, plan.digest, read, last, NOW), plan.typed, NOW
         )
         assert (done.code, done.detail) == (APPLIED, "0")
         released = await store.snapshot(SHARD, run_id, "render-all")
@@ -135,13 +136,13 @@ def test_a_live_bag_keeps_at_most_64_bytes_of_bookkeeping_per_item(width: int) -
 
 
 async def arrive_in_hash(
-    store: RedisStore, plan: Mapping[str, Any], run_id: str, task: Mapping[str, Any], read: Any
+    store: RedisStore, plan: Plan, run_id: str, task: Mapping[str, Any], read: Any
 ) -> int:
     """An arrival as a process of the previous version applied it: its spec names no bag keys, so the
     item goes into the barrier's hash."""
     event = task_result(task)
     decision = advance(plan, read.digest, read, event, NOW)
-    barriers = barrier_stages(plan)
+    barriers = list(plan.barriers)
     spec = build_spec(
         decision, run_id=run_id, message_id=event.message_id, now_ms=NOW, barriers=barriers, retention_ms=0
     )
@@ -155,8 +156,8 @@ async def arrive_now(
 ) -> tuple[int, str]:
     """The report of ``task`` decided from ``read`` (arrivals commute) and applied by this version."""
     event = task_result(task)
-    decision = advance(plan.plan, plan.digest, read, event, NOW)
-    result = await store.apply(SHARD, run_id, event.message_id, decision, plan.plan, NOW)
+    decision = advance(plan.typed, plan.digest, read, event, NOW)
+    result = await store.apply(SHARD, run_id, event.message_id, decision, plan.typed, NOW)
     return result.code, result.detail
 
 
@@ -167,7 +168,7 @@ def test_a_bag_opened_in_its_hash_finishes_there_each_item_counted_once() -> Non
         bag = await open_bag(store, run_id, 6)
         plan, keys, tasks, read = bag.plan, bag.keys, bag.tasks, bag.read
         for task in tasks[:3]:
-            assert await arrive_in_hash(store, plan.plan, run_id, task, read) == APPLIED
+            assert await arrive_in_hash(store, plan.typed, run_id, task, read) == APPLIED
         assert await store.client.hlen(keys.barrier(run_id, "render-all")) == 3
         assert await store.arrivals(SHARD, run_id, ("render-all",)) == {"render-all": frozenset("012")}
 
@@ -207,7 +208,7 @@ def test_a_bag_in_both_forms_counts_each_item_once_and_releases_every_result() -
         arrive = functools.partial(arrive_now, store, plan, run_id, read)
 
         assert [await arrive(t) for t in tasks[:3]] == [(APPLIED, "5"), (APPLIED, "4"), (APPLIED, "3")]
-        assert await arrive_in_hash(store, plan.plan, run_id, tasks[3], read) == APPLIED
+        assert await arrive_in_hash(store, plan.typed, run_id, tasks[3], read) == APPLIED
 
         # When items of either form come again, and the rest arrive
         assert (await arrive(tasks[1]))[0] == DUPLICATE

@@ -33,10 +33,10 @@ from orchestrator.bus.envelope import EnvelopeRejected, Signer, decode
 from orchestrator.bus.publisher import envelope_for, outgoing_from_payload
 from orchestrator.client import start_envelope
 from orchestrator.engine.model import Verdict
+from orchestrator.engine.plan import typed_plan
 from orchestrator.settings import DEVELOPMENT_SIGNING_KEY
 from orchestrator.shard.processor import Outcome, Processor
 from orchestrator.store.redis_store import RedisStore
-from orchestrator.store.spec import barrier_stages
 from orchestrator.wire import ids
 from tests.integration.garbage import Target, describe, garbage, is_legitimate, sign
 from tests.integration.stack import publish_active
@@ -159,7 +159,7 @@ async def fingerprint(live: Live) -> dict[str, Any]:
         "record": await live.client.hgetall(keys.run(run_id)),
         "applied": await live.client.smembers(keys.applied(run_id)),
         "barriers": {
-            b: await live.store.barrier_members(SHARD, run_id, b) for b in barrier_stages(live.plan)
+            b: await live.store.barrier_members(SHARD, run_id, b) for b in typed_plan(live.plan).barriers
         },
         "timers": await live.client.zrange(keys.timers(), 0, -1, withscores=True),
         "outbox": await live.client.hgetall(keys.outbox()),

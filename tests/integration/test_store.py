@@ -27,11 +27,10 @@ from orchestrator.store.facets import static_facets, status_facets
 from orchestrator.store.memory import MemoryStore
 from orchestrator.store.redis_store import LIBRARY_NAME, RedisStore, library_source
 from orchestrator.store.replies import APPLIED, CONFLICT, DUPLICATE
-from orchestrator.store.spec import barrier_stages
 from orchestrator.wire import ids
 from tests.conftest import DEFINITIONS, DEMO_REGISTRY, compile_yaml
 from tests.faults import invariants
-from tests.unit.engine_sim import SHARD, Poisoned, Sim, apply_event, handler_output
+from tests.unit.engine_sim import SHARD, Poisoned, Sim, apply_event, handler_output, typed
 from tests.unit.redrive_cases import Case, cases, redriven
 from tests.unit.redrive_cases import compiled as redrive_compiled
 
@@ -69,11 +68,11 @@ def with_store(test: Callable[[RedisStore], Awaitable[None]], retention_ms: int 
 
 
 async def redis_apply(
-    store: RedisStore, plan: Mapping[str, Any], digest: str, run_id: str, event: Event, now: int
+    store: RedisStore, raw: Mapping[str, Any], digest: str, run_id: str, event: Event, now: int
 ) -> tuple[int | None, str, Decision]:
     """One event through engine and RedisStore, as ``Processor._decide`` does it (CONFLICT: decide again)."""
-    stage = plan["stages"].get(getattr(event, "stage", ""), {})
-    map_stage = event.stage if isinstance(event, BarrierReleased) and stage.get("type") == "map" else None
+    plan = typed(raw)
+    map_stage = event.stage if isinstance(event, BarrierReleased) and event.stage in plan.bags else None
     for _ in range(8):
         snapshot = await store.snapshot(SHARD, run_id, map_stage)
         decision = advance(plan, snapshot.digest if snapshot else digest, snapshot, event, now)
@@ -106,7 +105,7 @@ async def redis_state(store: RedisStore, run_id: str, plan: Mapping[str, Any]) -
         record=await client.hgetall(keys.run(run_id)),
         history=[(f["kind"], f["stage"], f["attempt"], f["at"], json.loads(f["detail"])) for _, f in rows],
         applied=set(await client.smembers(keys.applied(run_id))),
-        barriers={b: await store.barrier_members(SHARD, run_id, b) for b in barrier_stages(plan)},
+        barriers={b: await store.barrier_members(SHARD, run_id, b) for b in typed(plan).barriers},
         outbox={k: v for k, v in outbox.items() if json.loads(v)["run_id"] == run_id},
         timers={
             m: int(due)
@@ -123,7 +122,7 @@ def memory_state(store: MemoryStore, run_id: str, plan: Mapping[str, Any]) -> St
         record=dict(run.record),
         history=[(h["kind"], h["stage"], h["attempt"], str(h["at"]), h["detail"]) for h in run.history],
         applied=set(run.applied),
-        barriers={b: dict(run.barriers.get(b, {})) for b in barrier_stages(plan)},
+        barriers={b: dict(run.barriers.get(b, {})) for b in typed(plan).barriers},
         outbox={k: v for k, v in store.outbox.items() if json.loads(v)["run_id"] == run_id},
         timers={m: due for m, due in store.timers.items() if m.startswith(f"{run_id}|")},
         live=dict(store.live),
@@ -221,7 +220,7 @@ def test_memory_store_and_redis_store_agree_step_by_step(
         snapshot, expected = await store.snapshot(SHARD, run_id), memory.snapshot(run_id)
         assert snapshot is not None and expected is not None
         assert dataclasses.replace(snapshot, map_results={}) == dataclasses.replace(expected, map_results={})
-        for stage in (s for s in barrier_stages(plan.plan) if plan.plan["stages"][s]["type"] == "map"):
+        for stage in sorted(plan.typed.bags):
             with_items = await store.snapshot(SHARD, run_id, stage)  # a map's results are read on demand
             assert with_items is not None
             assert with_items.map_results[stage] == expected.map_results.get(stage, [])
@@ -353,7 +352,7 @@ async def raw_dump(store: RedisStore, run_id: str, plan: Mapping[str, Any]) -> d
         "applied": await client.smembers(keys.applied(run_id)),
         "outbox": await client.hgetall(keys.outbox()),
         "runs": await client.zrange(keys.runs(), 0, -1, withscores=True),
-        "barriers": {b: await store.barrier_members(SHARD, run_id, b) for b in barrier_stages(plan)},
+        "barriers": {b: await store.barrier_members(SHARD, run_id, b) for b in typed(plan).barriers},
     }
 
 
@@ -386,8 +385,8 @@ def test_a_transition_whose_expects_no_longer_hold_conflicts_and_writes_nothing(
             SHARD,
             "run-cas",
             first.message_id,
-            advance(plan.plan, plan.digest, read, first, NOW),
-            plan.plan,
+            advance(plan.typed, plan.digest, read, first, NOW),
+            plan.typed,
             NOW,
         )
         assert won.code == APPLIED
@@ -395,9 +394,9 @@ def test_a_transition_whose_expects_no_longer_hold_conflicts_and_writes_nothing(
         # a paused consumer's cancellation, decided on the old snapshot: it would cancel cache-lookup,
         # which has completed meanwhile
         second = CancelRun("cancel-from-a-paused-consumer", "stop")
-        late = advance(plan.plan, plan.digest, read, second, NOW + 1)
+        late = advance(plan.typed, plan.digest, read, second, NOW + 1)
         before = await raw_dump(store, "run-cas", plan.plan)
-        lost = await store.apply(SHARD, "run-cas", second.message_id, late, plan.plan, NOW + 1)
+        lost = await store.apply(SHARD, "run-cas", second.message_id, late, plan.typed, NOW + 1)
 
         assert lost.code == CONFLICT
         assert lost.detail.startswith("s:cache-lookup:")
@@ -405,14 +404,14 @@ def test_a_transition_whose_expects_no_longer_hold_conflicts_and_writes_nothing(
 
         # the in-memory port gives the same answer for the same spec
         memory = MemoryStore()
-        barriers = barrier_stages(plan.plan)
+        barriers = list(plan.typed.barriers)
         start = StartRun("start-run-cas", "run-cas", SHARD, {"modelId": "m-1"})
         memory.apply(
-            "run-cas", start.message_id, advance(plan.plan, plan.digest, None, start, NOW), barriers, NOW
+            "run-cas", start.message_id, advance(plan.typed, plan.digest, None, start, NOW), barriers, NOW
         )
         assert (
             memory.apply(
-                "run-cas", first.message_id, advance(plan.plan, plan.digest, read, first, NOW), barriers, NOW
+                "run-cas", first.message_id, advance(plan.typed, plan.digest, read, first, NOW), barriers, NOW
             )[0]
             == APPLIED
         )
@@ -427,7 +426,7 @@ def test_an_arrival_after_the_intent_conflicts_and_does_not_count() -> None:
         tasks = sorted((await store.outbox(SHARD)).values(), key=lambda t: t["body"]["item"])
         read = await store.snapshot(SHARD, "run-arr")
         arrival = task_result(tasks[0])
-        decided = advance(plan.plan, plan.digest, read, arrival, NOW)
+        decided = advance(plan.typed, plan.digest, read, arrival, NOW)
         assert decided.arrival is not None
 
         # a failure no retry can mend: the map (and the run) fail at once
@@ -437,14 +436,14 @@ def test_an_arrival_after_the_intent_conflicts_and_does_not_count() -> None:
                 SHARD,
                 "run-arr",
                 failure.message_id,
-                advance(plan.plan, plan.digest, read, failure, NOW),
-                plan.plan,
+                advance(plan.typed, plan.digest, read, failure, NOW),
+                plan.typed,
                 NOW,
             )
         ).code == APPLIED
 
         before = await raw_dump(store, "run-arr", plan.plan)
-        result = await store.apply(SHARD, "run-arr", arrival.message_id, decided, plan.plan, NOW + 1)
+        result = await store.apply(SHARD, "run-arr", arrival.message_id, decided, plan.typed, NOW + 1)
         assert result.code == CONFLICT
         assert result.detail in ("intent", "s:render-all:fence")
         assert await raw_dump(store, "run-arr", plan.plan) == before
@@ -461,13 +460,13 @@ def test_the_same_message_id_applied_twice_is_a_recorded_duplicate() -> None:
         plan = await started(store, "model-ingest", {"modelId": "m-1"}, "run-dup")
         (task,) = (await store.outbox(SHARD)).values()
         event = task_result(task)
-        decision = advance(plan.plan, plan.digest, await store.snapshot(SHARD, "run-dup"), event, NOW)
+        decision = advance(plan.typed, plan.digest, await store.snapshot(SHARD, "run-dup"), event, NOW)
 
         assert (
-            await store.apply(SHARD, "run-dup", event.message_id, decision, plan.plan, NOW)
+            await store.apply(SHARD, "run-dup", event.message_id, decision, plan.typed, NOW)
         ).code == APPLIED
         before = await raw_dump(store, "run-dup", plan.plan)
-        again = await store.apply(SHARD, "run-dup", event.message_id, decision, plan.plan, NOW + 5)
+        again = await store.apply(SHARD, "run-dup", event.message_id, decision, plan.typed, NOW + 5)
         after = await raw_dump(store, "run-dup", plan.plan)
 
         assert (again.code, again.detail) == (DUPLICATE, event.message_id)
@@ -486,8 +485,8 @@ def test_the_same_message_id_applied_twice_is_a_recorded_duplicate() -> None:
             SHARD,
             "run-dup",
             start.message_id,
-            advance(plan.plan, plan.digest, None, start, NOW),
-            plan.plan,
+            advance(plan.typed, plan.digest, None, start, NOW),
+            plan.typed,
             NOW,
         )
         assert resent.code == DUPLICATE
@@ -512,10 +511,8 @@ def test_arrivals_count_distinct_items_and_release_exactly_once_under_concurrenc
 
         def arrive(item: int, message_id: str | None = None) -> Awaitable[Any]:
             event = task_result(tasks[item], message_id=message_id)
-            decision = advance(
-                plan.plan, plan.digest, read, event, NOW
-            )  # arrivals commute: one snapshot for all
-            return store.apply(SHARD, "run-bag", event.message_id, decision, plan.plan, NOW)
+            decision = advance(plan.typed, plan.digest, read, event, NOW)  # arrivals commute: one snapshot
+            return store.apply(SHARD, "run-bag", event.message_id, decision, plan.typed, NOW)
 
         # the same item twice counts once
         first, again = await arrive(0), await arrive(0)
@@ -525,7 +522,7 @@ def test_arrivals_count_distinct_items_and_release_exactly_once_under_concurrenc
 
         # a report under an id that answers no task is refused by the engine, before any arrival
         forged = task_result(tasks[150], message_id="result-resent-150")
-        assert advance(plan.plan, plan.digest, read, forged, NOW).arrival is None
+        assert advance(plan.typed, plan.digest, read, forged, NOW).arrival is None
 
         # every other item, concurrently, with duplicates (the same id again)
         calls = [arrive(i) for i in range(1, items)]

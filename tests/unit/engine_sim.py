@@ -48,9 +48,9 @@ from orchestrator.engine.model import (
     TimerFired,
     Verdict,
 )
+from orchestrator.engine.plan import Plan, typed_plan
 from orchestrator.store.memory import MemoryStore
 from orchestrator.store.replies import APPLIED, CONFLICT
-from orchestrator.store.spec import barrier_stages
 from orchestrator.wire import bodies, ids
 from orchestrator.wire.outgoing import Outgoing
 from orchestrator.wire.sizes import DEFAULT_LIMITS, Limits
@@ -145,9 +145,23 @@ def to_publish(decision: Decision, code: int | None, detail: str) -> list[Outgoi
     return messages
 
 
+_TYPED: dict[int, tuple[Mapping[str, Any], Plan]] = {}
+
+
+def typed(plan: Plan | Mapping[str, Any]) -> Plan:
+    """The typed plan of a compiled plan's mapping, built once per mapping (kept alive with it, so its
+    id is not reused); a typed plan as it is."""
+    if isinstance(plan, Plan):
+        return plan
+    kept = _TYPED.get(id(plan))
+    if kept is None or kept[0] is not plan:
+        kept = _TYPED[id(plan)] = (plan, typed_plan(plan))
+    return kept[1]
+
+
 def apply_event(
     store: MemoryStore,
-    plan: Mapping[str, Any],
+    plan: Plan | Mapping[str, Any],
     digest: str,
     run_id: str,
     event: Event,
@@ -155,7 +169,8 @@ def apply_event(
     limits: Limits = DEFAULT_LIMITS,
 ) -> Handled:
     """One delivery through engine and store, as ``Processor._decide`` does it."""
-    barriers = barrier_stages(plan)
+    plan = typed(plan)
+    barriers = list(plan.barriers)
     conflicts = 0
     for _ in range(MAX_CONFLICT_RETRIES):
         snapshot = store.snapshot(run_id, with_members=isinstance(event, Nudge))
@@ -180,7 +195,7 @@ class Poisoned:
 
 
 def replay(
-    plan: Mapping[str, Any], digest: str, run_id: str, log: list[tuple[Event | Poisoned, int]]
+    plan: Plan | Mapping[str, Any], digest: str, run_id: str, log: list[tuple[Event | Poisoned, int]]
 ) -> tuple[MemoryStore, list[Handled]]:
     """Apply a logged event sequence to a fresh store (outbox entries are left unsent)."""
     store = MemoryStore()

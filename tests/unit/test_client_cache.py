@@ -10,6 +10,7 @@ import pytest
 from orchestrator.client import ActivePlan, ActivePlans, active_plan_from, state_from
 from orchestrator.errors import SagaError
 from orchestrator.governance.lifecycle import DefinitionState
+from tests.unit.test_engine import compiled
 
 
 def test_fresh_within_the_ttl_then_stale_but_still_known() -> None:
@@ -22,8 +23,11 @@ def test_fresh_within_the_ttl_then_stale_but_still_known() -> None:
 
 
 def test_active_plan_from_the_two_reads() -> None:
-    raw = json.dumps({"plan": {"class": "slow"}, "versions": {}})
-    assert active_plan_from("d", b"sha256:x", raw) == ActivePlan("sha256:x", "slow")
+    plan = compiled("model-ingest").plan
+    raw = json.dumps({"plan": {**plan, "class": "slow"}, "versions": {}})
+    active = active_plan_from("d", b"sha256:x", raw)
+    assert active == ActivePlan("sha256:x", "slow")
+    assert active.plan is not None and active.plan.entry == plan["entry"]  # typed once, for every start
     with pytest.raises(SagaError, match="'d' is not published; run 'saga definitions publish FILE'"):
         active_plan_from("d", None, None)
     with pytest.raises(SagaError, match="missing from Redis; publish the definition again"):

@@ -17,7 +17,6 @@ from orchestrator.engine import advance
 from orchestrator.engine.model import StageResult, StartRun, Verdict
 from orchestrator.store.memory import MemoryStore
 from orchestrator.store.replies import APPLIED, DUPLICATE, NO_RUN
-from orchestrator.store.spec import barrier_stages
 from orchestrator.wire import ids
 from tests.conftest import DEFINITIONS, DEMO_REGISTRY, compile_yaml
 from tests.unit.engine_sim import SHARD, Handled, Sim, handler_output, report
@@ -542,12 +541,12 @@ def test_result_for_an_unknown_run_is_invalid_and_writes_nothing() -> None:
     plan = compiled("model-ingest")
     event = StageResult("result-x", "cache-lookup", 1, "1.1", True, {}, None, None, plan.digest)
 
-    decision = advance(plan.plan, plan.digest, None, event, 1)
+    decision = advance(plan.typed, plan.digest, None, event, 1)
     assert decision.verdict is Verdict.INVALID
     assert not decision.writes and not decision.outgoing and not decision.create
 
     store = MemoryStore()
-    code, _ = store.apply("nobody", event.message_id, decision, barrier_stages(plan.plan), 1)
+    code, _ = store.apply("nobody", event.message_id, decision, list(plan.typed.barriers), 1)
     assert code == NO_RUN
     assert store.runs == {} and store.outbox == {}
 

@@ -18,9 +18,10 @@ from orchestrator.engine.model import (
     TimerFired,
     Verdict,
 )
+from orchestrator.engine.plan import Retry
 from orchestrator.store.replies import TIMER_GONE
 from tests.conftest import compile_yaml
-from tests.unit.engine_sim import Sim, heartbeat, report
+from tests.unit.engine_sim import Sim, heartbeat, report, typed
 
 PROBE = """
 name: probe
@@ -65,7 +66,9 @@ def test_a_retryable_failure_waits_its_backoff_then_runs_a_new_attempt_with_a_ne
     fences = [t.body["fence"] for t in sim.tasks if t.body["stage"] == "render"]
     assert fences == ["1.1", "1.2", "1.3"]
     scheduled = sim.entries("retry.scheduled", "render")
-    policy = sim.plan["stages"]["render"]["retry"]
+    render = typed(sim.plan).work("render")
+    assert render is not None
+    policy = render.retry
     assert [s["detail"]["delay_ms"] for s in scheduled] == [
         clocks.backoff_ms(policy, sim.run_id, "render", n) for n in (1, 2)
     ]
@@ -177,12 +180,9 @@ def test_cancelling_a_run_sets_the_failed_intent_once_and_a_second_request_is_la
 def test_backoff_is_capped_exponential_minus_at_most_its_jitter_and_deterministic(
     initial: int, multiplier: float, cap: int, jitter: float, attempt: int, run_id: str
 ) -> None:
-    policy = {
-        "initial_backoff_ms": initial,
-        "backoff_multiplier": multiplier,
-        "max_backoff_ms": cap,
-        "jitter": jitter,
-    }
+    policy = Retry(
+        initial_backoff_ms=initial, backoff_multiplier=multiplier, max_backoff_ms=cap, jitter=jitter
+    )
     delay = clocks.backoff_ms(policy, run_id, "s", attempt)
     nominal = min(float(cap), initial * multiplier ** (attempt - 1))
     assert int(nominal * (1 - jitter)) - 1 <= delay <= nominal

@@ -16,9 +16,10 @@ from hypothesis import strategies as st
 
 from orchestrator.engine import advance, outputs
 from orchestrator.engine.model import CompensationResult, FinaliserResult, StageResult, Verdict
+from orchestrator.engine.plan import ContractPlan, Plan
 from orchestrator.wire import sizes
 from tests.conftest import compile_yaml
-from tests.unit.engine_sim import Handled, Sim
+from tests.unit.engine_sim import Handled, Sim, typed
 
 RENDER = """
 name: render-once
@@ -189,7 +190,7 @@ def test_the_error_is_bounded_however_large_and_wrong_the_result() -> None:
 
 
 def test_many_errors_show_the_first_few_in_path_order() -> None:
-    plan = {"contracts": {"x@1": {"output_schema": {"type": "array", "items": {"type": "integer"}}}}}
+    plan = pinning({"x@1": {"type": "array", "items": {"type": "integer"}}})
     problem = outputs.output_problem(plan, "x@1", ["a", 1, "b", "c", "d", "e"] + ["z"] * 8)
     assert problem is not None
     assert "result[0]: 'a' is not of type 'integer'; result[2]: 'b'" in problem
@@ -292,8 +293,8 @@ def test_any_result_either_fits_and_becomes_state_or_fails_the_attempt_the_same_
     report = dataclasses.replace(sim.work(task), result=value)
     assert isinstance(report, StageResult)
     snapshot = sim.snapshot()
-    first = advance(sim.plan, sim.digest, snapshot, report, 5)
-    again = advance(copy.deepcopy(sim.plan), sim.digest, snapshot, report, 5)
+    first = advance(typed(sim.plan), sim.digest, snapshot, report, 5)
+    again = advance(typed(copy.deepcopy(sim.plan)), sim.digest, snapshot, report, 5)
 
     assert first == again  # pure: the same event on the same state, whichever plan object it came from
     assert first.verdict is Verdict.APPLIED
@@ -328,14 +329,20 @@ def test_validators_are_compiled_once_per_schema() -> None:
 
 
 def test_a_schema_that_cannot_check_anything_fails_the_result_and_never_raises() -> None:
-    broken = {"contracts": {"x@1": {"output_schema": {"type": "no-such-type"}}}}
+    broken = pinning({"x@1": {"type": "no-such-type"}})
     problem = outputs.output_problem(broken, "x@1", {})
     assert problem is not None and problem.startswith("the output schema of x@1 cannot check results")
-    dangling = {"contracts": {"y@1": {"output_schema": {"$ref": "#/$defs/missing"}}}}
+    dangling = pinning({"y@1": {"$ref": "#/$defs/missing"}})
     problem = outputs.output_problem(dangling, "y@1", {})
     assert problem is not None and "cannot check results" in problem
 
 
 def test_a_plan_without_an_output_schema_for_the_contract_checks_nothing() -> None:
-    assert outputs.output_problem({"contracts": {}}, "x@1", {"any": "thing"}) is None
-    assert outputs.output_problem({}, "x@1", 5) is None
+    assert outputs.output_problem(pinning({}), "x@1", {"any": "thing"}) is None
+    assert outputs.output_problem(pinning({"x@1": None}), "x@1", 5) is None
+
+
+def pinning(schemas: dict[str, Any]) -> Plan:
+    """A plan that pins these output schemas (None: the contract has none) and nothing else."""
+    contracts = {ref: ContractPlan(queue="q", output_schema=schema) for ref, schema in schemas.items()}
+    return Plan(name="p", version="1", entry="s", stages={}, contracts=contracts)

@@ -106,14 +106,14 @@ def test_a_start_whose_context_bound_inputs_cannot_fit_is_refused_at_the_door(mo
     context = {"modelId": model}
     assume(fits_a_start(context))
     plan = compiled("model-ingest")
-    problems = door.start_problems(plan.plan, plan.digest, context, LIMITS)
+    problems = door.start_problems(plan.typed, plan.digest, context, LIMITS)
     sim = run("model-ingest", context)
     settings_ = Settings(max_message_bytes=LIMITS.max_message_bytes)
-    active = ActivePlan(plan.digest, "fast", plan.plan)
+    active = ActivePlan(plan.digest, "fast", plan.typed)
     # the client measures the tasks as they would be on the longest shard id of the class (the shard is
     # not known yet), so near the limit it may refuse a start the shard would take: never the reverse
     longest = RunSnapshot("run-1", "fast.99999", plan.digest, RunStatus.PENDING, context)
-    client_problems = door.start_problems(plan.plan, plan.digest, context, LIMITS, longest)
+    client_problems = door.start_problems(plan.typed, plan.digest, context, LIMITS, longest)
     assert not problems or client_problems
     if problems:
         # the shard: the run fails at start with the reason, and no task is ever sent
@@ -278,7 +278,7 @@ AMPLIFY = """
 
 def inline_run(yaml: str, context: dict[str, Any], limits: sizes.Limits = LIMITS) -> tuple[Sim, list[str]]:
     plan = compile_yaml(yaml)
-    problems = door.start_problems(plan.plan, plan.digest, context, limits)
+    problems = door.start_problems(plan.typed, plan.digest, context, limits)
     sim = Sim(plan.plan, plan.digest, limits=limits)
     sim.start(context)
     drive(sim, in_order)
@@ -372,7 +372,7 @@ def test_a_result_that_is_not_json_is_reported_as_a_failure_that_says_so() -> No
 
 def test_the_client_refuses_a_context_that_is_not_json() -> None:
     plan = compiled("model-ingest")
-    active = ActivePlan(plan.digest, "fast", plan.plan)
+    active = ActivePlan(plan.digest, "fast", plan.typed)
     settings_ = Settings(max_message_bytes=LIMITS.max_message_bytes)
     try:
         checked_start(SIGNER, settings_, active, "model-ingest", "run-1", {"modelId": "m", "x": float("inf")})
@@ -419,13 +419,13 @@ def test_the_client_checks_a_context_as_the_shard_will_read_it() -> None:
     """A tuple travels as a JSON list: the client checks the list, or it would refuse (schema) or accept
     (sizes) what the shard decides otherwise."""
     plan = compiled("thumbnail-batch")
-    active = ActivePlan(plan.digest, "fast", plan.plan)
+    active = ActivePlan(plan.digest, "fast", plan.typed)
     settings_ = Settings(max_transition_bytes=1_048_576)
     checked_start(SIGNER, settings_, active, "thumbnail-batch", "run-1", {"modelIds": ("a", "b")})
     # a window of 1,000 tasks ~1.6 MB: over the transition limit (a bag sends a window at once)
     many = {"modelIds": tuple(f"{i}-" + "m" * 1_100 for i in range(1_500))}
     listed = {"modelIds": list(many["modelIds"])}
-    shard = door.start_problems(plan.plan, plan.digest, listed, settings_.limits())
+    shard = door.start_problems(plan.typed, plan.digest, listed, settings_.limits())
     try:
         checked_start(SIGNER, settings_, active, "thumbnail-batch", "run-1", many)
     except StartRefused as exc:

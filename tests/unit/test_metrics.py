@@ -17,7 +17,7 @@ from orchestrator import metrics
 from orchestrator.engine.model import CancelRun, Decision, HistoryEntry, Verdict
 from orchestrator.shard.processor import Outcome, count
 from tests.conftest import ROOT
-from tests.unit.engine_sim import Handled, Sim
+from tests.unit.engine_sim import Handled, Sim, typed
 from tests.unit.test_engine import compiled
 
 RENDER = "thumbnail.render@3"
@@ -57,7 +57,7 @@ def simulated(
 
     def hook(sim: Sim, handled: Handled) -> None:
         if handled.took_effect:
-            metrics.applied(sim.run_id, sim.plan, handled.decision, sim.clock, dispatches)
+            metrics.applied(sim.run_id, typed(sim.plan), handled.decision, sim.clock, dispatches)
             counted.append(handled)
 
     sim = Sim(plan.plan, plan.digest, hook=hook, **kwargs)
@@ -133,7 +133,7 @@ def test_a_cancelled_run_counts_the_cancellation_and_its_stopped_attempts(
 
 
 def test_an_attempt_dispatched_elsewhere_gives_no_sample(dispatches: metrics.Dispatches) -> None:
-    plan = compiled("model-ingest").plan
+    plan = compiled("model-ingest").typed
     ended = Decision(Verdict.APPLIED, (HistoryEntry("stage.completed", "render-thumbnail", 1),))
     before = delta("saga_stage_seconds_count", contract=RENDER, outcome="completed")
     metrics.applied("run-x", plan, ended, 5_000, dispatches)
@@ -141,7 +141,7 @@ def test_an_attempt_dispatched_elsewhere_gives_no_sample(dispatches: metrics.Dis
 
 
 def test_a_map_item_failure_does_not_end_the_maps_attempt(dispatches: metrics.Dispatches) -> None:
-    plan = compiled("model-ingest").plan
+    plan = compiled("model-ingest").typed
     started = Decision(Verdict.APPLIED, (HistoryEntry("stage.dispatched", "render-thumbnail", 1),))
     item = Decision(
         Verdict.APPLIED, (HistoryEntry("stage.failed", "render-thumbnail", 1, {"item": 3, "error": "x"}),)

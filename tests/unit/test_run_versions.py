@@ -42,7 +42,7 @@ def test_a_run_pins_its_plans_versions_and_the_engine_that_created_it() -> None:
     compiled = compile_yaml(DEFINITION)
     stored = {"dsl": "1", "compiler": "0.0.9", "engine": "0"}  # an older release compiled the plan
     start = StartRun("start-1", "run-1", SHARD, {"modelId": "m-1"}, versions=stored)
-    decision = advance(compiled.plan, compiled.digest, None, start, 1_000)
+    decision = advance(compiled.typed, compiled.digest, None, start, 1_000)
 
     (run,) = [w.fields for w in decision.writes if w.key.kind == "run" and "engine_version" in w.fields]
     assert run["engine_version"] == ENGINE_VERSION
