@@ -1,9 +1,10 @@
-"""One delivery through the orchestrator: envelope -> event -> engine -> atomic apply -> messages.
+"""Deliveries through the orchestrator: envelope -> event -> engine -> atomic apply -> messages.
 
-AMQP-free, so it is tested directly against Redis. The service (``service.py``) feeds it deliveries and
-publishes what it returns. A CONFLICT from the store means another actor changed the run between our read
-and our write (a paused old consumer, a concurrent branch): we reload and decide again, and the engine
-then sees the newer state (typically: a duplicate or a late callback, recorded as such).
+AMQP-free, so it is tested directly against Redis. The service (``service.py``) feeds it batches of
+deliveries (and its due timers) and publishes what it returns. A CONFLICT from the store means another
+actor changed the run between our read and our write (a paused old consumer, a concurrent branch): the
+message is decided again in the batch's next round from a fresh read, and the engine then sees the newer
+state (typically: a duplicate or a late callback, recorded as such).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from orchestrator.engine.model import (
     Expect,
     Nudge,
     RunSnapshot,
+    StageResult,
     StartRun,
     TimerFired,
     Verdict,
@@ -36,7 +38,7 @@ from orchestrator.shard.events import start_body, to_event
 from orchestrator.shard.records import RunRecords
 from orchestrator.store.redis_store import ApplyResult, PlanNotFound, RedisStore
 from orchestrator.store.replies import APPLIED, CONFLICT, DUPLICATE, NO_RUN
-from orchestrator.store.spec import record_after, snapshot_from_record, writes_run
+from orchestrator.store.spec import ordered_items, record_after, snapshot_from_record, writes_run
 from orchestrator.trace import TRACE
 from orchestrator.wire.kinds import Kind
 from orchestrator.wire.outgoing import Outgoing
@@ -60,7 +62,27 @@ class Outcome:
     verdict: Verdict | None = None
 
 
+@dataclass
+class _Work:
+    """A message (or a due timer, or a nudge) on its way through a batch's rounds."""
+
+    index: int
+    run_id: str
+    event: Event
+    plan: Plan | None = None  # a start's plan (a continue takes its run's pinned one)
+    digest: str | None = None
+    fresh: bool = False  # decide from what Redis holds now, not from a kept record
+    passable: bool = False  # a message that names no shard: passed on to the run's owner
+    conflicts: int = 0
+
+
 class Processor:
+    """Every message takes one path: a batch advances its runs in rounds (a run's own messages stay in
+    order, one per round), each round reading the records it needs in one pipeline and applying every
+    transition in another. What a round cannot settle goes into the next round as its run's next
+    message, decided afresh from Redis: a transition that conflicted with another actor's write, and a
+    refusal decided from a kept record. A message on its own is a batch of one."""
+
     def __init__(
         self, store: RedisStore, clock_ms: Callable[[], int], limits: Limits = DEFAULT_LIMITS
     ) -> None:
@@ -71,67 +93,103 @@ class Processor:
         self.records = RunRecords()
 
     async def handle_batch(self, shard: str, envelopes: list[Envelope]) -> list[Outcome]:
-        """Handle a batch with few round trips: runs advance in rounds (a run's own messages stay in
-        order, one per round), each round reading every snapshot in one pipeline and applying every
-        transition in another. A conflict falls back to the one-at-a-time path for that message."""
         outcomes: list[Outcome | None] = [None] * len(envelopes)
-        pending: dict[str, deque[int]] = {}
+        work: list[_Work] = []
+        starts: list[int] = []
         for i, envelope in enumerate(envelopes):
-            pending.setdefault(envelope.run_id, deque()).append(i)
-        while pending:
-            this_round = [i for queue in pending.values() for i in _take(queue, envelopes)]
-            pending = {run: queue for run, queue in pending.items() if queue}
-            await self._round(shard, this_round, envelopes, outcomes)
+            if envelope.kind is Kind.START:
+                starts.append(i)
+            else:
+                admitted = _admitted(shard, i, envelope)
+                if isinstance(admitted, Outcome):
+                    outcomes[i] = admitted
+                else:
+                    work.append(admitted)
+        with TRACE.span("claim", [envelopes[i].message_id for i in starts]):
+            work += await self._claimed_starts(shard, starts, envelopes, outcomes)
+        await self._run(shard, sorted(work, key=lambda w: w.index), outcomes, envelopes)
         done = [o if o is not None else Outcome() for o in outcomes]
         for envelope, outcome in zip(envelopes, done, strict=True):
             count(envelope.kind.value, outcome)
         return done
 
-    async def _round(
-        self, shard: str, indices: list[int], envelopes: list[Envelope], outcomes: list[Outcome | None]
+    async def handle(self, shard: str, envelope: Envelope) -> Outcome:
+        """One message on its own (a batch that failed is handled message by message)."""
+        (outcome,) = await self.handle_batch(shard, [envelope])
+        return outcome
+
+    async def fire_timer(self, shard: str, member: str) -> Outcome:
+        """A due timer of this shard: the engine decides what it means, the transition claims it."""
+        parsed = clocks.parse_member(member)
+        if parsed is None:
+            await self.store.drop_timer(shard, member)  # not ours
+            return count("timer", Outcome())
+        run_id, clock, stage, fence = parsed
+        event = TimerFired(f"timer-{member}", clock, stage, fence, member)
+        outcome = await self._one(shard, _Work(0, run_id, event, fresh=True))
+        if outcome.rejected is not None and outcome.rejected[0] in ("unknown-run", "wrong-shard"):
+            await self.store.drop_timer(shard, member)  # its run expired with it still set, or is not ours
+            return count("timer", Outcome())
+        return count("timer", outcome)
+
+    async def nudge(self, shard: str, run_id: str, message_id: str) -> Outcome:
+        """Re-send what a stranded run waits for (the reconciler's repair), a bag's missing items too."""
+        return count("nudge", await self._one(shard, _Work(0, run_id, Nudge(message_id), fresh=True)))
+
+    async def _one(self, shard: str, work: _Work) -> Outcome:
+        outcomes: list[Outcome | None] = [None]
+        await self._run(shard, [work], outcomes, [])
+        return outcomes[0] or Outcome()
+
+    async def _run(
+        self, shard: str, work: list[_Work], outcomes: list[Outcome | None], envelopes: list[Envelope]
     ) -> None:
-        starts = [i for i in indices if envelopes[i].kind is Kind.START]
-        continues = [
-            i
-            for i in indices
-            if envelopes[i].kind in CONTINUES and (not envelopes[i].shard or envelopes[i].shard == shard)
-        ]
-        for i in sorted(set(indices) - set(starts) - set(continues)):
-            outcomes[i] = await self._handle(shard, envelopes[i])
-        # (index, event, plan, digest or None: a continue takes its run's pinned digest)
-        work: list[tuple[int, Event, Plan | None, str | None]] = []
-        unread: set[str] = set()  # runs claimed just now: nothing to read
-        with TRACE.span("claim", [envelopes[i].message_id for i in starts]):
-            work += await self._claimed_starts(shard, starts, envelopes, outcomes, unread)
-        for i in continues:
-            event = to_event(envelopes[i])
-            if isinstance(event, str):
-                outcomes[i] = Outcome(rejected=("malformed", event))
-            else:
-                work.append((i, event, None, None))
-        if not work:
-            return
-        traced = [envelopes[i].message_id for i, *_ in work]
+        pending: dict[str, deque[_Work]] = {}
+        for item in work:
+            pending.setdefault(item.run_id, deque()).append(item)
+        while pending:
+            this_round = [w for queue in pending.values() for w in _take(queue, envelopes)]
+            again = await self._round(shard, this_round, outcomes)
+            for item in reversed(again):  # decided afresh next round, before the run's later messages
+                pending[item.run_id].appendleft(item)
+            pending = {run: queue for run, queue in pending.items() if queue}
+
+    async def _round(self, shard: str, work: list[_Work], outcomes: list[Outcome | None]) -> list[_Work]:
+        """Decide and apply one message per run (a bag's item results together); returns the work to
+        decide again next round."""
+        traced = [w.event.message_id for w in work]
         with TRACE.span("snapshot", traced):
-            read = await self._read(shard, [envelopes[i].run_id for i, *_ in work], unread)
-        ready: list[tuple[int, Event, Plan, Decision]] = []
+            read = await self._read(shard, work)
+        ready: list[tuple[_Work, Plan, Decision]] = []
+        again: list[_Work] = []
         now = self.clock_ms()
         with TRACE.span("engine", traced):
-            careful = await self._decide_round(shard, work, envelopes, read, now, ready)
-        for i in careful:
-            outcomes[i] = await self._handle(shard, envelopes[i])  # the careful path handles it
+            for item in work:
+                decided = await self._decide(shard, item, read[item.run_id], now)
+                if isinstance(decided, Outcome):
+                    outcomes[item.index] = decided
+                elif decided is None:
+                    again.append(_afresh(item, shard, self.records))
+                else:
+                    ready.append((item, *decided))
         with TRACE.span("lua", traced):
-            await self._apply_ready(shard, ready, envelopes, outcomes, now, read)
+            again += await self._apply(shard, ready, outcomes, now, read)
+        return again
 
-    async def _read(self, shard: str, run_ids: list[str], unread: set[str]) -> dict[str, _Read]:
-        """The record of every run of the round (map items of one run share it): kept from the run's last
-        transition here, or read in one round trip; none for a run claimed just now."""
-        read: dict[str, _Read] = {run: _Read(None, None, kept=False) for run in unread}
+    async def _read(self, shard: str, work: list[_Work]) -> dict[str, _Read]:
+        """The record of every run of the round (a bag's items share it): kept from the run's last
+        transition here, or read in one round trip; none for a run claimed just now. A bag's release
+        reads the items' results, a nudge the items that arrived."""
+        read: dict[str, _Read] = {}
         missing = []
-        for run in dict.fromkeys(run_ids):
-            if run in read:
+        for item in work:
+            run = item.run_id
+            if run in read or run in missing:
                 continue
-            record = self.records.get(shard, run)
+            if isinstance(item.event, StartRun) and not item.fresh:
+                read[run] = _Read(None, None, kept=False)  # claimed just now: nothing to read
+                continue
+            record = None if item.fresh else self.records.get(shard, run)
             if record is None:
                 missing.append(run)
             else:
@@ -142,58 +200,75 @@ class Processor:
                 read[run] = _Read(record, snapshot, kept=False)
         return read
 
-    async def _decide_round(
-        self,
-        shard: str,
-        work: list[tuple[int, Event, Plan | None, str | None]],
-        envelopes: list[Envelope],
-        read: dict[str, _Read],
-        now: int,
-        ready: list[tuple[int, Event, Plan, Decision]],
-    ) -> list[int]:
-        """The engine's decision for each message of the round whose plan and snapshot are in hand,
-        appended to ``ready``; returns the messages the careful path must handle instead."""
-        careful = []
-        for i, event, start_plan, start_digest in work:
-            run = read[envelopes[i].run_id]
-            snapshot = run.snapshot
-            digest = start_digest or (snapshot.digest if snapshot else None)
-            plan = start_plan or (await self.store.typed_plan(digest) if digest else None)
-            if plan is None or digest is None or (start_plan is None and _needs_map_results(event, plan)):
-                careful.append(i)
-                continue
-            decision = advance(plan, digest, snapshot, event, now, self.limits)
-            if run.kept:
-                if decision.verdict is not Verdict.APPLIED:
-                    # a refusal is recorded for good: made again from what Redis holds now
-                    self.records.forget(shard, envelopes[i].run_id)
-                    careful.append(i)
-                    continue
-                if decision.arrival is None:  # arrivals commute: their own fences and status guard them
-                    guard = Expect(RUN, "rev", (run.record or {}).get("rev"))
-                    decision = dataclasses.replace(decision, expects=(*decision.expects, guard))
-            ready.append((i, event, plan, decision))
-        return careful
+    async def _decide(
+        self, shard: str, item: _Work, run: _Read, now: int
+    ) -> tuple[Plan, Decision] | Outcome | None:
+        """The engine's decision for ``item``, or its outcome if it names no run here, or None: decide it
+        again from what Redis holds now (a refusal decided from a kept record is recorded for good)."""
+        snapshot = run.snapshot
+        digest = item.digest or (snapshot.digest if snapshot else None)
+        if digest is None:
+            return await self._not_here(shard, item)
+        try:
+            plan = item.plan or await self.store.typed_plan(digest)
+        except PlanNotFound as exc:
+            return Outcome(rejected=("unknown-definition", str(exc)))
+        if snapshot is not None and run.record is not None:
+            snapshot = await self._with_members(shard, item, plan, snapshot, run.record)
+        decision = advance(plan, digest, snapshot, item.event, now, self.limits)
+        if snapshot is None and not decision.create:
+            why = f"run {item.run_id} does not exist"
+            return Outcome(rejected=("unknown-run", why), verdict=decision.verdict)
+        if run.kept:
+            if decision.verdict is not Verdict.APPLIED:
+                return None
+            if decision.arrival is None:  # arrivals commute: their own fences and status guard them
+                guard = Expect(RUN, "rev", (run.record or {}).get("rev"))
+                decision = dataclasses.replace(decision, expects=(*decision.expects, guard))
+        return plan, decision
+
+    async def _with_members(
+        self, shard: str, item: _Work, plan: Plan, snapshot: RunSnapshot, record: dict[str, str]
+    ) -> RunSnapshot:
+        """The snapshot with what a bag's release needs (its items' results, in item order) or a nudge
+        (the items that arrived at each open bag, read again on every try: it re-sends the others)."""
+        event = item.event
+        if isinstance(event, BarrierReleased) and event.stage in plan.bags:
+            members = await self.store.barrier_members(shard, item.run_id, event.stage)
+            return snapshot_from_record(record, {event.stage: ordered_items(members)}, shared=True)
+        if isinstance(event, Nudge):
+            bags = tuple(n for n in snapshot.stages if n in plan.bags)
+            if bags:
+                arrivals = await self.store.arrivals(shard, item.run_id, bags)
+                return dataclasses.replace(snapshot, arrivals=arrivals)
+        return snapshot
+
+    async def _not_here(self, shard: str, item: _Work) -> Outcome:
+        """A continue for a run this shard does not hold. Only a message that names no shard is passed
+        on to the run's owner: one that names this shard names the wrong one, and passing it on would
+        send it back and forth between the two shards for ever."""
+        owner = await self.store.owner(item.run_id)
+        if owner is not None and owner != shard:
+            if item.passable:
+                return Outcome(forward_to=owner)
+            why = f"run {item.run_id} lives on shard {owner}, not on {shard}, which the message names"
+            return Outcome(rejected=("wrong-shard", why))
+        return Outcome(rejected=("unknown-run", f"run {item.run_id} does not exist on {shard}"))
 
     async def _claimed_starts(
-        self,
-        shard: str,
-        starts: list[int],
-        envelopes: list[Envelope],
-        outcomes: list[Outcome | None],
-        unread: set[str],
-    ) -> list[tuple[int, Event, Plan | None, str | None]]:
-        """Starts that name their plan, claimed for this shard in one pipeline; others take the careful
-        path (which resolves the active version, or refuses with the reason). Runs this call claimed
-        first are added to ``unread``: they have no record to read (creating one that exists after all
-        is refused by the store as a duplicate)."""
+        self, shard: str, starts: list[int], envelopes: list[Envelope], outcomes: list[Outcome | None]
+    ) -> list[_Work]:
+        """The batch's starts whose version may start runs, claimed for this shard in one pipeline. A
+        start that names no plan gets the version a client would have chosen for its run id. A start
+        whose run this call claimed first reads nothing (creating one that exists after all is refused
+        by the store as a duplicate); another reads the run first."""
         named: list[tuple[int, str, dict[str, Any]]] = []
         for i in starts:
-            body = start_body(envelopes[i])
-            if isinstance(body, str) or not body.digest:
-                outcomes[i] = await self._handle(shard, envelopes[i])
+            chosen = await self._digest_of(shard, envelopes[i])
+            if isinstance(chosen, Outcome):
+                outcomes[i] = chosen
             else:
-                named.append((i, body.digest, body.context))
+                named.append((i, *chosen))
         # only approved, not retired versions start runs: one read for the batch
         infos = await self.definitions.digest_info([digest for _, digest, _ in named])
         candidates = []
@@ -207,91 +282,22 @@ class Processor:
             except PlanNotFound as exc:
                 outcomes[i] = Outcome(rejected=("unknown-definition", str(exc)))
         owners = await self.store.claim_fresh([envelopes[i].run_id for i, *_ in candidates], shard)
-        claimed: list[tuple[int, Event, Plan | None, str | None]] = []
+        claimed: list[_Work] = []
         for (i, plan, digest, context), (owner, fresh) in zip(candidates, owners, strict=True):
             envelope = envelopes[i]
             if owner != shard:
                 outcomes[i] = Outcome(forward_to=owner)
                 continue
-            if fresh:
-                unread.add(envelope.run_id)
             versions = await self.store.plan_versions(digest)
             event = StartRun(envelope.message_id, envelope.run_id, shard, context, envelope.tenant, versions)
-            claimed.append((i, event, plan, digest))
+            claimed.append(_Work(i, envelope.run_id, event, plan, digest, fresh=not fresh))
         return claimed
 
-    async def _apply_ready(
-        self,
-        shard: str,
-        ready: list[tuple[int, Event, Plan, Decision]],
-        envelopes: list[Envelope],
-        outcomes: list[Outcome | None],
-        now: int,
-        read: dict[str, _Read],
-    ) -> None:
-        if not ready:
-            return
-        results = await self.store.apply_many(
-            shard,
-            [(envelopes[i].run_id, event.message_id, decision, plan) for i, event, plan, decision in ready],
-            now,
-        )
-        for (i, _, plan, decision), result in zip(ready, results, strict=True):
-            self._bring_forward(shard, envelopes[i].run_id, read, decision, result)
-            if result.code == APPLIED:
-                metrics.applied(envelopes[i].run_id, plan, decision, now)
-            if result.code == CONFLICT:
-                outcomes[i] = await self._handle(shard, envelopes[i])
-            elif result.code == NO_RUN:
-                outcomes[i] = Outcome(rejected=("unknown-run", f"run {envelopes[i].run_id} does not exist"))
-            else:
-                outcomes[i] = Outcome(
-                    publish=_to_publish(decision, result.code, result.detail), verdict=decision.verdict
-                )
-
-    def _bring_forward(
-        self, shard: str, run_id: str, read: dict[str, _Read], decision: Decision, result: ApplyResult
-    ) -> None:
-        """Keep the run's record as this transition left it, when its reply shows that nothing else
-        wrote the run since the record was read; else forget it. Replies come in the order the
-        transitions were applied, so a round's arrivals bring one record forward one by one."""
-        if result.code == DUPLICATE:
-            return  # nothing written: what is kept still holds
-        before = read.get(run_id)
-        base = before.record if before is not None else None
-        rev = result.rev
-        if (
-            result.code != APPLIED  # a conflict, a run gone
-            or rev is None
-            or decision.finished
-            or (base is None and not decision.create)
-            or rev != int((base or {}).get("rev", "0")) + writes_run(decision)  # a write made elsewhere
-        ):
-            read.pop(run_id, None)
-            self.records.forget(shard, run_id)
-            return
-        after = record_after(base or {}, decision, rev)
-        read[run_id] = _Read(after, None, kept=True)
-        self.records.keep(shard, run_id, after)
-
-    async def handle(self, shard: str, envelope: Envelope) -> Outcome:
-        """One message on its own (the path a batch that failed takes, message by message)."""
-        return count(envelope.kind.value, await self._handle(shard, envelope))
-
-    async def _handle(self, shard: str, envelope: Envelope) -> Outcome:
-        if envelope.kind is Kind.START:
-            return await self._start(shard, envelope)
-        if envelope.kind in CONTINUES:
-            if envelope.shard and envelope.shard != shard:
-                return Outcome(forward_to=envelope.shard)
-            return await self._continue(shard, envelope)
-        return Outcome(rejected=("wrong-kind", f"{envelope.kind.value} messages are not for shard queues"))
-
-    async def _start(self, shard: str, envelope: Envelope) -> Outcome:
+    async def _digest_of(self, shard: str, envelope: Envelope) -> tuple[str, dict[str, Any]] | Outcome:
+        """The plan a start creates its run from, with its context; or why it creates none."""
         body = start_body(envelope)
         if isinstance(body, str):
             return Outcome(rejected=("malformed", body))
-        context = body.context
         try:
             digest = body.digest or await self._chosen_digest(shard, body.definition, envelope.run_id)
         except (PlanNotFound, NotStartable) as exc:
@@ -300,20 +306,7 @@ class Processor:
                 return Outcome(forward_to=owner)  # a start re-sent for a run of another shard
             refused = await self._refuse(shard, envelope, "", None, str(exc))
             return refused or Outcome(rejected=("unknown-definition", str(exc)))
-        (info,) = await self.definitions.digest_info([digest])
-        refusal = await self._refusal(shard, envelope, digest, info)
-        if refusal is not None:
-            return refusal
-        try:
-            plan = await self.store.typed_plan(digest)
-        except PlanNotFound as exc:
-            return Outcome(rejected=("unknown-definition", str(exc)))
-        owner = await self.store.claim(envelope.run_id, shard)
-        if owner != shard:
-            return Outcome(forward_to=owner)
-        versions = await self.store.plan_versions(digest)
-        event = StartRun(envelope.message_id, envelope.run_id, shard, context, envelope.tenant, versions)
-        return await self._decide(shard, envelope.run_id, event, plan, digest, None)
+        return digest, body.context
 
     async def _chosen_digest(self, shard: str, definition: str, run_id: str) -> str:
         """A start that names no plan gets the version a client would have chosen for its run id; one
@@ -356,104 +349,62 @@ class Processor:
         await self.store.record_refusal(envelope.run_id, digest, info, why, self.clock_ms())
         return Outcome(rejected=("version-not-startable", f"run {envelope.run_id} not created: {why}"))
 
-    async def _continue(self, shard: str, envelope: Envelope) -> Outcome:
-        event = to_event(envelope)
-        if isinstance(event, str):
-            return Outcome(rejected=("malformed", event))
-        loaded = await self._load(shard, envelope.run_id)
-        if loaded is None:
-            return await self._not_here(shard, envelope)
-        return await self._continue_with(shard, envelope.run_id, event, *loaded)
-
-    async def _not_here(self, shard: str, envelope: Envelope) -> Outcome:
-        """A continue for a run this shard does not hold. Only a message that names no shard is passed
-        on to the run's owner: one that names this shard names the wrong one, and passing it on would
-        send it back and forth between the two shards for ever."""
-        owner = await self.store.owner(envelope.run_id)
-        if owner is not None and owner != shard:
-            if not envelope.shard:
-                return Outcome(forward_to=owner)
-            why = f"run {envelope.run_id} lives on shard {owner}, not on {shard}, which the message names"
-            return Outcome(rejected=("wrong-shard", why))
-        return Outcome(rejected=("unknown-run", f"run {envelope.run_id} does not exist on {shard}"))
-
-    async def fire_timer(self, shard: str, member: str) -> Outcome:
-        """A due timer of this shard: the engine decides what it means, the transition claims it."""
-        parsed = clocks.parse_member(member)
-        loaded = await self._load(shard, parsed[0]) if parsed is not None else None
-        if parsed is None or loaded is None:
-            await self.store.drop_timer(shard, member)  # not ours, or its run expired with it still set
-            return count("timer", Outcome())
-        run_id, clock, stage, fence = parsed
-        return count(
-            "timer",
-            await self._continue_with(
-                shard, run_id, TimerFired(f"timer-{member}", clock, stage, fence, member), *loaded
-            ),
-        )
-
-    async def nudge(self, shard: str, run_id: str, message_id: str) -> Outcome:
-        """Re-send what a stranded run waits for (the reconciler's repair), a bag's missing items too."""
-        loaded = await self._load(shard, run_id)
-        if loaded is None:
-            return Outcome(rejected=("unknown-run", f"run {run_id} does not exist on {shard}"))
-        plan, snapshot = loaded
-        bags = tuple(n for n in snapshot.stages if n in plan.bags)
-        if bags:  # which items arrived, read again on every retry: the nudge re-sends the others
-            snapshot = dataclasses.replace(snapshot, arrivals=await self.store.arrivals(shard, run_id, bags))
-        event = Nudge(message_id)
-        decided = await self._decide(shard, run_id, event, plan, snapshot.digest, None, snapshot, bags)
-        return count("nudge", decided)
-
-    async def _load(self, shard: str, run_id: str) -> tuple[Plan, RunSnapshot] | None:
-        """A run's plan and snapshot, or None if the run does not exist on this shard."""
-        snapshot = await self.store.snapshot(shard, run_id)
-        if snapshot is None:
-            return None
-        return await self.store.typed_plan(snapshot.digest), snapshot
-
-    async def _continue_with(
-        self, shard: str, run_id: str, event: Event, plan: Plan, snapshot: RunSnapshot
-    ) -> Outcome:
-        map_stage = event.stage if isinstance(event, BarrierReleased) and event.stage in plan.bags else None
-        first = snapshot if map_stage is None else None
-        return await self._decide(shard, run_id, event, plan, snapshot.digest, map_stage, first)
-
-    async def _decide(
+    async def _apply(
         self,
         shard: str,
-        run_id: str,
-        event: Event,
-        plan: Plan,
-        digest: str,
-        map_stage: str | None,
-        first: RunSnapshot | None = None,
-        members_of: tuple[str, ...] = (),
-    ) -> Outcome:
-        self.records.forget(shard, run_id)  # this path reads afresh and writes: what is kept is stale
-        for attempt in range(MAX_CONFLICT_RETRIES):
-            snapshot = (
-                first
-                if attempt == 0 and first is not None
-                else await self.store.snapshot(shard, run_id, map_stage, members_of)
-            )
-            now = self.clock_ms()
-            decision = advance(plan, digest, snapshot, event, now, self.limits)
-            if snapshot is None and not decision.create:
-                return Outcome(
-                    rejected=("unknown-run", f"run {run_id} does not exist"), verdict=decision.verdict
-                )
-            result = await self.store.apply(shard, run_id, event.message_id, decision, plan, now)
+        ready: list[tuple[_Work, Plan, Decision]],
+        outcomes: list[Outcome | None],
+        now: int,
+        read: dict[str, _Read],
+    ) -> list[_Work]:
+        """Apply the round's transitions in one pipeline; returns those that conflicted."""
+        if not ready:
+            return []
+        results = await self.store.apply_many(
+            shard,
+            [(item.run_id, item.event.message_id, decision, plan) for item, plan, decision in ready],
+            now,
+        )
+        again = []
+        for (item, plan, decision), result in zip(ready, results, strict=True):
+            self._bring_forward(shard, item.run_id, read, decision, result)
             if result.code == CONFLICT:
+                again.append(_afresh(item, shard, self.records, conflicted=True))
                 continue
-            if result.code == NO_RUN:
-                return Outcome(rejected=("unknown-run", f"run {run_id} does not exist"))
             if result.code == APPLIED:
-                metrics.applied(run_id, plan, decision, now)
-            return Outcome(
-                publish=_to_publish(decision, result.code, result.detail), verdict=decision.verdict
-            )
-        raise RuntimeError(f"run {run_id}: {MAX_CONFLICT_RETRIES} conflicting writes in a row; giving up")
+                metrics.applied(item.run_id, plan, decision, now)
+            if result.code == NO_RUN:
+                outcomes[item.index] = Outcome(rejected=("unknown-run", f"run {item.run_id} does not exist"))
+            else:
+                outcomes[item.index] = Outcome(
+                    publish=_to_publish(decision, result.code, result.detail), verdict=decision.verdict
+                )
+        return again
+
+    def _bring_forward(
+        self, shard: str, run_id: str, read: dict[str, _Read], decision: Decision, result: ApplyResult
+    ) -> None:
+        """Keep the run's record as this transition left it, when its reply shows that nothing else
+        wrote the run since the record was read; else forget it. Replies come in the order the
+        transitions were applied, so a round's arrivals bring one record forward one by one."""
+        if result.code == DUPLICATE:
+            return  # nothing written: what is kept still holds
+        before = read.get(run_id)
+        base = before.record if before is not None else None
+        rev = result.rev
+        if (
+            result.code != APPLIED  # a conflict, a run gone
+            or rev is None
+            or decision.finished
+            or (base is None and not decision.create)
+            or rev != int((base or {}).get("rev", "0")) + writes_run(decision)  # a write made elsewhere
+        ):
+            read.pop(run_id, None)
+            self.records.forget(shard, run_id)
+            return
+        after = record_after(base or {}, decision, rev)
+        read[run_id] = _Read(after, None, kept=True)
+        self.records.keep(shard, run_id, after)
 
 
 @dataclass(frozen=True)
@@ -481,25 +432,47 @@ def count(kind: str, outcome: Outcome) -> Outcome:
     return outcome
 
 
-def _take(queue: deque[int], envelopes: list[Envelope]) -> list[int]:
+def _admitted(shard: str, index: int, envelope: Envelope) -> _Work | Outcome:
+    """A message that continues a run, as work for the rounds; or what becomes of one that does not
+    (another kind, another shard's, a body that is no event)."""
+    if envelope.kind not in CONTINUES:
+        return Outcome(rejected=("wrong-kind", f"{envelope.kind.value} messages are not for shard queues"))
+    if envelope.shard and envelope.shard != shard:
+        return Outcome(forward_to=envelope.shard)
+    event = to_event(envelope)
+    if isinstance(event, str):
+        return Outcome(rejected=("malformed", event))
+    return _Work(index, envelope.run_id, event, passable=not envelope.shard)
+
+
+def _afresh(item: _Work, shard: str, records: RunRecords, *, conflicted: bool = False) -> _Work:
+    """``item`` to be decided again from what Redis holds now: what is kept of its run is stale."""
+    records.forget(shard, item.run_id)
+    conflicts = item.conflicts + conflicted
+    if conflicts >= MAX_CONFLICT_RETRIES:
+        raise RuntimeError(
+            f"run {item.run_id}: {MAX_CONFLICT_RETRIES} conflicting writes in a row; giving up"
+        )
+    return dataclasses.replace(item, fresh=True, conflicts=conflicts)
+
+
+def _take(queue: deque[_Work], envelopes: list[Envelope]) -> list[_Work]:
     """A run's next message for this round; successful map-item results of one stage travel together,
     because arrivals commute (each checks only its own stage fence and the run's intent)."""
     first = queue.popleft()
     taken = [first]
-    if _is_item_success(envelopes[first]):
-        stage = envelopes[first].stage
-        while queue and _is_item_success(envelopes[queue[0]]) and envelopes[queue[0]].stage == stage:
+    if _is_item_success(first, envelopes):
+        stage = envelopes[first.index].stage
+        while queue and _is_item_success(queue[0], envelopes) and envelopes[queue[0].index].stage == stage:
             taken.append(queue.popleft())
     return taken
 
 
-def _is_item_success(envelope: Envelope) -> bool:
+def _is_item_success(item: _Work, envelopes: list[Envelope]) -> bool:
+    if not isinstance(item.event, StageResult) or not envelopes:
+        return False
+    envelope = envelopes[item.index]
     return envelope.kind is Kind.RESULT and envelope.item is not None and envelope.body.get("ok") is True
-
-
-def _needs_map_results(event: Event, plan: Plan) -> bool:
-    """A bag's release reads the items' results (the careful path's snapshot), which a batch does not."""
-    return isinstance(event, BarrierReleased) and event.stage in plan.bags
 
 
 def _to_publish(decision: Decision, code: int, detail: str) -> list[Outgoing]:

@@ -213,6 +213,7 @@ class RedisStore:
         plan: Plan,
         now_ms: int,
     ) -> ApplyResult:
+        """One transition on its own (the shard pipelines a round's with ``apply_many``)."""
         return _result(await self._fcall(*self._call(shard, run_id, message_id, decision, plan, now_ms)))
 
     def _call(

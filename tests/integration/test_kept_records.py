@@ -22,7 +22,7 @@ from orchestrator.compiler import CompiledPlan
 from orchestrator.shard.processor import Processor
 from orchestrator.store.redis_store import ApplyResult, RedisStore
 from orchestrator.store.replies import CONFLICT
-from orchestrator.wire import ids
+from orchestrator.wire import bodies, ids
 from orchestrator.wire.kinds import Kind
 from orchestrator.wire.outgoing import Outgoing
 from tests.conftest import compile_yaml
@@ -275,5 +275,42 @@ def failure(task: Outgoing) -> Envelope:
         message_id=ids.result_id(task.message_id),
         body={"ok": False, "error": "boom", "retryable": False},
         **fields,
+    )
+    return decode(raw, SIGNER, 1_048_576)
+
+
+def test_a_message_decided_again_keeps_its_place_before_its_runs_later_ones() -> None:
+    """A batch holds a result that meets a conflict and, after it, an operator's cancel of the same run:
+    the result is decided again in the next round, still before the cancel, so the run cancels after
+    the result counted (a cancel taken first would make the result late and lose it)."""
+
+    async def main(store: CountingStore, client: aioredis.Redis) -> None:
+        here = Processor(store, lambda: int(time.time() * 1000))
+        elsewhere = Processor(store, lambda: int(time.time() * 1000))
+        (run,) = await start(
+            store, here, compiled("model-ingest"), "model-ingest", [{"modelId": "miss-order"}]
+        )
+        await here.handle_batch(SHARD, [report(await only_task(store))])  # render is dispatched
+        render = await only_task(store)
+        await elsewhere.handle_batch(SHARD, [acceptance(render)])  # this process's record is stale now
+        outcomes = await here.handle_batch(SHARD, [report(render), cancel_request(run)])
+        assert store.conflicts, "the result was decided from the stale record first"
+        assert [o.verdict.value if o.verdict else None for o in outcomes] == ["applied", "applied"]
+        kinds = [e["kind"] for e in await store.history(SHARD, run)]
+        completed = [i for i, kind in enumerate(kinds) if kind == "stage.completed"]
+        assert len(completed) == 2 and completed[-1] < kinds.index("cancel.requested"), kinds
+        assert "callback.rejected" not in kinds, kinds
+
+    asyncio.run(with_store(main))
+
+
+def cancel_request(run_id: str) -> Envelope:
+    raw = signed_message(
+        SIGNER,
+        kind=Kind.CANCEL_RUN,
+        message_id=f"cancel.run-{uuid.uuid4().hex}",
+        run_id=run_id,
+        shard=SHARD,
+        body=bodies.request("not needed", "operator"),
     )
     return decode(raw, SIGNER, 1_048_576)

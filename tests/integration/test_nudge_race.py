@@ -62,11 +62,11 @@ class RacingStore(RedisStore):
 
     competitor: Any = None
 
-    async def apply(self, *args: Any, **kwargs: Any) -> ApplyResult:
+    async def apply_many(self, *args: Any, **kwargs: Any) -> list[ApplyResult]:
         if self.competitor is not None:
             competitor, self.competitor = self.competitor, None
             await competitor()
-        return await super().apply(*args, **kwargs)
+        return await super().apply_many(*args, **kwargs)
 
 
 def test_a_nudge_retried_after_a_conflict_still_re_sends_only_the_missing_items() -> None:
