@@ -50,6 +50,8 @@ CONTINUES = frozenset(
 )
 
 MAX_CONFLICT_RETRIES = 8
+# What a message (or timer) for a run this shard does not hold becomes, by whether it names this shard.
+NOT_HERE = ("unknown-run", "wrong-shard")
 
 
 @dataclass
@@ -118,19 +120,36 @@ class Processor:
         (outcome,) = await self.handle_batch(shard, [envelope])
         return outcome
 
+    async def fire_timers(self, shard: str, members: list[str]) -> list[Outcome]:
+        """The shard's due timers, as one batch: the engine decides what each means, its transition
+        claims it. A timer whose run is gone (it expired with the timer still set) or is not this
+        shard's is dropped, as is a member that is not one of ours."""
+        outcomes: list[Outcome | None] = [None] * len(members)
+        work = []
+        for i, member in enumerate(members):
+            parsed = clocks.parse_member(member)
+            if parsed is None:
+                await self.store.drop_timer(shard, member)
+                outcomes[i] = Outcome()
+                continue
+            run_id, clock, stage, fence = parsed
+            work.append(
+                _Work(i, run_id, TimerFired(f"timer-{member}", clock, stage, fence, member), fresh=True)
+            )
+        await self._run(shard, work, outcomes, [])
+        done = []
+        for member, decided in zip(members, outcomes, strict=True):
+            outcome = decided or Outcome()
+            if outcome.rejected and outcome.rejected[0] in NOT_HERE:
+                await self.store.drop_timer(shard, member)
+                outcome = Outcome()
+            done.append(count("timer", outcome))
+        return done
+
     async def fire_timer(self, shard: str, member: str) -> Outcome:
-        """A due timer of this shard: the engine decides what it means, the transition claims it."""
-        parsed = clocks.parse_member(member)
-        if parsed is None:
-            await self.store.drop_timer(shard, member)  # not ours
-            return count("timer", Outcome())
-        run_id, clock, stage, fence = parsed
-        event = TimerFired(f"timer-{member}", clock, stage, fence, member)
-        outcome = await self._one(shard, _Work(0, run_id, event, fresh=True))
-        if outcome.rejected is not None and outcome.rejected[0] in ("unknown-run", "wrong-shard"):
-            await self.store.drop_timer(shard, member)  # its run expired with it still set, or is not ours
-            return count("timer", Outcome())
-        return count("timer", outcome)
+        """One due timer on its own (a batch of timers that failed is fired timer by timer)."""
+        (outcome,) = await self.fire_timers(shard, [member])
+        return outcome
 
     async def nudge(self, shard: str, run_id: str, message_id: str) -> Outcome:
         """Re-send what a stranded run waits for (the reconciler's repair), a bag's missing items too."""

@@ -583,18 +583,32 @@ class ShardService:
         due a moment ago and fired since by another process is a recognised duplicate)."""
         outgoing: list[Outgoing] = []
         async with asyncio.timeout(self.options.redis_timeout_s):
-            for member in members:
-                try:
-                    outgoing += (await self.processor.fire_timer(shard, member)).publish
-                except REDIS_DOWN:
-                    raise
-                except Exception:  # a bug: keep the shard going; the timer stays and is tried again
-                    log.exception("shard %s: firing timer %s failed", shard, member)
+            try:
+                outcomes = await self.processor.fire_timers(shard, members)
+                outgoing += [m for outcome in outcomes for m in outcome.publish]
+            except REDIS_DOWN:
+                raise
+            except Exception:  # isolate the failing timer: one at a time, so only it stays due
+                log.exception(
+                    "shard %s: firing %d timers failed; firing them one by one", shard, len(members)
+                )
+                outgoing += await self._fire_one_by_one(shard, members)
         if not outgoing:
             return
         faults.crash(self.options.crash_points, "after-commit")
         outgoing, done_locally = await self._continue_locally(shard, outgoing)
         await self._publish_and_mark(shard, publisher, outgoing, done_locally)
+
+    async def _fire_one_by_one(self, shard: str, members: list[str]) -> list[Outgoing]:
+        outgoing: list[Outgoing] = []
+        for member in members:
+            try:
+                outgoing += (await self.processor.fire_timer(shard, member)).publish
+            except REDIS_DOWN:
+                raise
+            except Exception:  # a bug: keep the shard going; the timer stays and is tried again
+                log.exception("shard %s: firing timer %s failed", shard, member)
+        return outgoing
 
     async def _sample(self, shard: str) -> None:
         """Read the shard's outbox depth and due timers into the metrics, at most every
