@@ -107,16 +107,25 @@ class Processor:
                     outcomes[i] = admitted
                 else:
                     work.append(admitted)
-        with TRACE.span("claim", [envelopes[i].message_id for i in starts]):
-            work += await self._claimed_starts(shard, starts, envelopes, outcomes)
-        await self._run(shard, sorted(work, key=lambda w: w.index), outcomes, envelopes)
+        # A run's starts are taken one at a time: each sees the run its earlier start created (and is
+        # a duplicate) rather than deciding about a version while the run does not exist yet.
+        while starts:
+            wave, starts = _first_of_each_run(starts, envelopes)
+            with TRACE.span("claim", [envelopes[i].message_id for i in wave]):
+                work += await self._claimed_starts(shard, wave, envelopes, outcomes)
+            await self._run(shard, sorted(work, key=lambda w: w.index), outcomes, envelopes)
+            work = []
+        if work:
+            await self._run(shard, work, outcomes, envelopes)
         done = [o if o is not None else Outcome() for o in outcomes]
         for envelope, outcome in zip(envelopes, done, strict=True):
             count(envelope.kind.value, outcome)
         return done
 
     async def handle(self, shard: str, envelope: Envelope) -> Outcome:
-        """One message on its own (a batch that failed is handled message by message)."""
+        """One message on its own (a batch that failed is handled message by message), decided from
+        what Redis holds: a kept record may be what made the batch fail."""
+        self.records.forget(shard, envelope.run_id)
         (outcome,) = await self.handle_batch(shard, [envelope])
         return outcome
 
@@ -166,12 +175,17 @@ class Processor:
         pending: dict[str, deque[_Work]] = {}
         for item in work:
             pending.setdefault(item.run_id, deque()).append(item)
-        while pending:
-            this_round = [w for queue in pending.values() for w in _take(queue, envelopes)]
-            again = await self._round(shard, this_round, outcomes)
-            for item in reversed(again):  # decided afresh next round, before the run's later messages
-                pending[item.run_id].appendleft(item)
-            pending = {run: queue for run, queue in pending.items() if queue}
+        try:
+            while pending:
+                this_round = [w for queue in pending.values() for w in _take(queue, envelopes)]
+                again = await self._round(shard, this_round, outcomes)
+                for item in reversed(again):  # decided afresh next round, before the run's later messages
+                    pending[item.run_id].appendleft(item)
+                pending = {run: queue for run, queue in pending.items() if queue}
+        except BaseException:
+            for item in work:  # whatever failed, nothing kept of these runs is trusted any more
+                self.records.forget(shard, item.run_id)
+            raise
 
     async def _round(self, shard: str, work: list[_Work], outcomes: list[Outcome | None]) -> list[_Work]:
         """Decide and apply one message per run (a bag's item results together); returns the work to
@@ -228,10 +242,8 @@ class Processor:
         digest = item.digest or (snapshot.digest if snapshot else None)
         if digest is None:
             return await self._not_here(shard, item)
-        try:
-            plan = item.plan or await self.store.typed_plan(digest)
-        except PlanNotFound as exc:
-            return Outcome(rejected=("unknown-definition", str(exc)))
+        # a run whose plan is missing (Redis lost it) raises: its message goes back to the queue
+        plan = item.plan or await self.store.typed_plan(digest)
         if snapshot is not None and run.record is not None:
             snapshot = await self._with_members(shard, item, plan, snapshot, run.record)
         decision = advance(plan, digest, snapshot, item.event, now, self.limits)
@@ -464,11 +476,23 @@ def _admitted(shard: str, index: int, envelope: Envelope) -> _Work | Outcome:
     return _Work(index, envelope.run_id, event, passable=not envelope.shard)
 
 
+def _first_of_each_run(starts: list[int], envelopes: list[Envelope]) -> tuple[list[int], list[int]]:
+    """The first start of each run among ``starts``, and the rest (in batch order)."""
+    first: dict[str, int] = {}
+    rest = []
+    for i in starts:
+        if envelopes[i].run_id in first:
+            rest.append(i)
+        else:
+            first[envelopes[i].run_id] = i
+    return list(first.values()), rest
+
+
 def _afresh(item: _Work, shard: str, records: RunRecords, *, conflicted: bool = False) -> _Work:
     """``item`` to be decided again from what Redis holds now: what is kept of its run is stale."""
     records.forget(shard, item.run_id)
     conflicts = item.conflicts + conflicted
-    if conflicts >= MAX_CONFLICT_RETRIES:
+    if conflicts > MAX_CONFLICT_RETRIES:
         raise RuntimeError(
             f"run {item.run_id}: {MAX_CONFLICT_RETRIES} conflicting writes in a row; giving up"
         )

@@ -20,7 +20,8 @@ from orchestrator.bus.publisher import envelope_for, outgoing_from_payload
 from orchestrator.client import start_envelope
 from orchestrator.compiler import CompiledPlan
 from orchestrator.shard.processor import Processor
-from orchestrator.store.redis_store import ApplyResult, RedisStore
+from orchestrator.store.keys import plan_key, refused_key
+from orchestrator.store.redis_store import ApplyResult, PlanNotFound, RedisStore
 from orchestrator.store.replies import CONFLICT
 from orchestrator.wire import bodies, ids
 from orchestrator.wire.kinds import Kind
@@ -314,3 +315,44 @@ def cancel_request(run_id: str) -> Envelope:
         body=bodies.request("not needed", "operator"),
     )
     return decode(raw, SIGNER, 1_048_576)
+
+
+def test_a_runs_second_start_in_one_batch_sees_the_run_its_first_created() -> None:
+    """Two starts of one run in a batch (a retry naming another plan): the second is decided once the
+    first created the run, so no refusal is recorded for a run that exists and runs."""
+
+    async def main(store: CountingStore, client: aioredis.Redis) -> None:
+        processor = Processor(store, lambda: int(time.time() * 1000))
+        plan = compiled("model-ingest")
+        await publish_active(store, plan)
+        run = f"kept-{uuid.uuid4().hex[:10]}"
+        unpublished = "sha256:" + "0" * 64
+        first = start_envelope(SIGNER, run, "model-ingest", plan.digest, {"modelId": "m-1"})
+        second = start_envelope(SIGNER, run, "model-ingest", unpublished, {"modelId": "m-1"})
+        created, refused = await processor.handle_batch(SHARD, [first, second])
+        assert created.verdict is not None and created.verdict.value == "applied"
+        assert refused.rejected is not None and refused.rejected[0] == "unknown-definition", refused
+        assert not await client.exists(refused_key(store.prefix, run)), (
+            "a refusal recorded for a run that runs"
+        )
+        assert await client.hget(store.keys(SHARD).run(run), "status") == "running"
+
+    asyncio.run(with_store(main))
+
+
+def test_a_message_of_a_run_whose_plan_is_missing_is_not_refused_but_goes_back() -> None:
+    """Redis lost a run's plan: its messages raise (the shard puts them back on the queue, and its
+    delivery limit parks them), rather than being refused and acked, which would lose a result."""
+
+    async def main(store: CountingStore, client: aioredis.Redis) -> None:
+        (run,) = await start(
+            store, Processor(store, lambda: 1), compiled("model-ingest"), "model-ingest", [{"modelId": "m-2"}]
+        )
+        lookup = await only_task(store)
+        await client.delete(plan_key(store.prefix, compiled("model-ingest").digest))
+        fresh = Processor(RedisStore(client, prefix=store.prefix), lambda: 2)  # no plan cached
+        with pytest.raises(PlanNotFound):
+            await fresh.handle_batch(SHARD, [report(lookup)])
+        assert not fresh.records.get(SHARD, run)
+
+    asyncio.run(with_store(main))

@@ -70,7 +70,7 @@ def with_store(test: Callable[[RedisStore], Awaitable[None]], retention_ms: int 
 async def redis_apply(
     store: RedisStore, raw: Mapping[str, Any], digest: str, run_id: str, event: Event, now: int
 ) -> tuple[int | None, str, Decision]:
-    """One event through engine and RedisStore, as ``Processor._decide`` does it (CONFLICT: decide again)."""
+    """One event through engine and RedisStore, as the shard's processor does it (CONFLICT: decide again)."""
     plan = typed(raw)
     map_stage = event.stage if isinstance(event, BarrierReleased) and event.stage in plan.bags else None
     for _ in range(8):

@@ -168,7 +168,7 @@ def apply_event(
     now_ms: int,
     limits: Limits = DEFAULT_LIMITS,
 ) -> Handled:
-    """One delivery through engine and store, as ``Processor._decide`` does it."""
+    """One delivery through engine and store, as the shard's processor does it."""
     plan = typed(plan)
     barriers = list(plan.barriers)
     conflicts = 0
