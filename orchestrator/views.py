@@ -15,7 +15,7 @@ from typing import Any
 
 from orchestrator.dsl.binding import bind
 from orchestrator.engine.model import RunSnapshot, StageStatus
-from orchestrator.engine.plan import ATTEMPT_CLOCK_FIELDS
+from orchestrator.engine.plan import reports_acceptance
 from orchestrator.errors import BindingError
 from orchestrator.store.spec import pinned_versions, snapshot_from_record
 
@@ -422,16 +422,10 @@ def with_live_workers(
         ref = str(spec.get("action") or spec.get("worker"))
         workers = [dict(w) for w in serving.get(ref, [])]
         queue = broker_queue(str(spec.get("queue")), ref)
-        waiting = _live_wait(stage.get("waiting"), ref, queue, workers, _accepts(spec), broker_known)
+        accepts = reports_acceptance(spec)
+        waiting = _live_wait(stage.get("waiting"), ref, queue, workers, accepts, broker_known)
         stages[name] = {**stage, "live_workers": workers, **({"waiting": waiting} if waiting else {})}
     return {**view, "stages": stages}
-
-
-def _accepts(spec: Mapping[str, Any]) -> bool:
-    """Whether a work stage's worker reports acceptance (``Work.needs_acceptance``), read off the stored
-    plan as it is: a view shows whatever a plan holds, and never refuses one."""
-    clocked = any(spec.get(field) for field in ATTEMPT_CLOCK_FIELDS.values())
-    return spec.get("type") != "map" and clocked
 
 
 def _live_wait(

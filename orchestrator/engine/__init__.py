@@ -64,7 +64,7 @@ from orchestrator.engine.model import (
     TimerFired,
     Verdict,
 )
-from orchestrator.engine.plan import Bag, Join, Plan, Stage, Work
+from orchestrator.engine.plan import Bag, Join, Plan, Work
 from orchestrator.engine.step import Step
 from orchestrator.versions import ENGINE_VERSION
 from orchestrator.wire import ids, sizes
@@ -140,13 +140,10 @@ def _start(
 
 def _stage_result(step: Step, event: StageResult) -> Decision:
     run = step.run
-    rec = run.stages.get(event.stage)
-    stage = step.plan.stages.get(event.stage)
-    if stage is None or rec is None:
-        return rejected(Verdict.INVALID, f"stage {event.stage!r} was never dispatched", event.stage)
-    refused = _unknown_report(step, event, stage)
-    if refused is not None or not isinstance(stage, Work):
-        return refused or rejected(Verdict.INVALID, "no worker reports on it", event.stage)
+    stage = _reported_on(step, event)
+    if isinstance(stage, Decision):
+        return stage
+    rec = run.stages[event.stage]  # dispatched: _reported_on found its record
     if event.cancelled and rec.fence == event.fence and rec.status in FENCED_OFF:
         item = {} if event.item is None else {"item": event.item}
         step.record("cancellation.acknowledged", event.stage, event.attempt, fence=event.fence, **item)
@@ -210,8 +207,11 @@ def _cause(breach: str | None) -> dict[str, Any]:
     return {} if breach is None else {"reason": "contract"}
 
 
-def _unknown_report(step: Step, event: StageResult, stage: Stage) -> Decision | None:
-    """Why ``event`` reports on no task this run dispatched (None: it does)."""
+def _reported_on(step: Step, event: StageResult) -> Work | Decision:
+    """The work stage ``event`` reports on, or why it reports on no task this run dispatched."""
+    stage = step.plan.stages.get(event.stage)
+    if stage is None or event.stage not in step.run.stages:
+        return rejected(Verdict.INVALID, f"stage {event.stage!r} was never dispatched", event.stage)
     if not isinstance(stage, Work):
         why = f"{event.stage!r} is a {stage.type}; no worker reports on it"
         return rejected(Verdict.INVALID, why, event.stage)
@@ -219,7 +219,7 @@ def _unknown_report(step: Step, event: StageResult, stage: Stage) -> Decision | 
     task = ids.stage_task_id(step.run.run_id, event.stage, event.fence, item, event.attempt)
     if event.message_id != ids.result_id(task):
         return _not_a_report(event.message_id, task, event.stage, event.attempt)
-    return None
+    return stage
 
 
 def _map_item(step: Step, stage: Bag, rec: StageRecord, event: StageResult) -> Decision:
@@ -361,8 +361,7 @@ def _compensation_result(step: Step, event: CompensationResult) -> Decision:
     step.expect(RUN, "compensation_index", str(run.compensation_index))
     step.expect(RUN, "status", run.status.value)
     rec = run.stages[event.stage]
-    undone = step.plan.work(event.stage)
-    breach = _breach(step, (undone.compensate if undone else None) or "", event.ok, event.result)
+    breach = _breach(step, step.plan.compensable[event.stage], event.ok, event.result)
     if event.ok and breach is None:
         step.set_stage(event.stage, dataclasses.replace(rec, status=StageStatus.COMPENSATED))
         step.record("compensation.completed", label)

@@ -88,7 +88,7 @@ class Ending(Builder):
     def compensation_task(self, name: str, index: int) -> Outgoing:
         """The task undoing stage ``name`` (the same message whenever it is built)."""
         stage = self.plan.work(name)
-        assert stage is not None and stage.compensate, f"{name!r} is a compensable stage of the plan"
+        assert stage is not None, f"{name!r} is a compensable work stage of the plan"
         rec = self.stage(name)
         try:
             bound_input = self.bind_input(name, stage)  # the same input the stage was given
@@ -101,7 +101,7 @@ class Ending(Builder):
             "result": rec.result if rec else None,
         }
         fence = ids.compensation_fence(self.run.epoch, index)
-        ref = stage.compensate
+        ref = self.plan.compensable[name]
         label = ids.compensation_label(name)
         return self.task(label, ref, self.plan.contracts[ref].queue, 1, fence, undo_input)
 

@@ -70,12 +70,7 @@ class Work(StagePlan):
     heartbeat_timeout_ms: int | None = None
     compensate: str | None = None
     clocks: tuple[Clock, ...] = ()  # the attempt clocks its deadlines start
-
-    @property
-    def needs_acceptance(self) -> bool:
-        """Workers report acceptance (and heartbeats) only where a clock depends on it, so stages without
-        deadlines cost no extra messages. A bag's items never do: the bag has one clock."""
-        return bool(self.clocks)
+    needs_acceptance: bool = False  # its worker reports acceptance and heartbeats (reports_acceptance)
 
     def deadline_ms(self, clock: Clock) -> int | None:
         """The limit an attempt clock of this stage counts down (None: the stage has no such clock)."""
@@ -89,10 +84,6 @@ class Bag(Work):
 
     items: str
     max_items: int
-
-    @property
-    def needs_acceptance(self) -> bool:
-        return False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -147,12 +138,19 @@ class Plan:
     context: Any = None  # the context's JSON Schema, if the definition declares one
     bags: frozenset[str] = field(default=frozenset())  # the map stages
     barriers: tuple[str, ...] = ()  # joins and maps, sorted: the stages with a barrier counter
-    compensable: tuple[str, ...] = ()  # work stages with a compensation, in plan order
+    compensable: Mapping[str, str] = field(default_factory=dict)  # stage -> its compensation, plan order
 
     def work(self, name: str) -> Work | None:
         """The work stage ``name`` (None if the plan has no work stage of that name)."""
         stage = self.stages.get(name)
         return stage if isinstance(stage, Work) else None
+
+
+def reports_acceptance(spec: Mapping[str, Any]) -> bool:
+    """Whether a work stage's worker reports acceptance (and heartbeats), read off its stage in a stored
+    plan: only where a clock depends on it, so stages without deadlines cost no extra messages. A bag's
+    items never do: the bag has one clock."""
+    return spec.get("type") != "map" and any(spec.get(f) for f in ATTEMPT_CLOCK_FIELDS.values())
 
 
 def typed_plan(raw: Mapping[str, Any]) -> Plan:
@@ -179,7 +177,9 @@ def typed_plan(raw: Mapping[str, Any]) -> Plan:
             context=raw.get("context"),
             bags=frozenset(n for n, s in stages.items() if isinstance(s, Bag)),
             barriers=tuple(sorted(n for n, s in stages.items() if isinstance(s, (Join, Bag)))),
-            compensable=tuple(n for n, s in stages.items() if isinstance(s, Work) and s.compensate),
+            compensable=MappingProxyType(
+                {n: s.compensate for n, s in stages.items() if isinstance(s, Work) and s.compensate}
+            ),
         )
     except (KeyError, TypeError, AttributeError) as exc:
         raise PlanShapeError(f"plan {raw.get('name')!r} has a field missing or malformed: {exc!r}") from exc
@@ -233,6 +233,7 @@ def _work(name: str, kind: str, spec: Mapping[str, Any], arrives_at: BranchEnd |
         "on_failure": str(spec.get("on_failure") or "failed"),
         "compensate": spec.get("compensate") or None,
         "clocks": tuple(c for c, f in ATTEMPT_CLOCK_FIELDS.items() if spec.get(f)),
+        "needs_acceptance": reports_acceptance(spec),
         **{f: spec.get(f) or None for f in ATTEMPT_CLOCK_FIELDS.values()},
     }
     if kind == "map":

@@ -109,14 +109,14 @@ class Processor:
                     work.append(admitted)
         # A run's starts are taken one at a time: each sees the run its earlier start created (and is
         # a duplicate) rather than deciding about a version while the run does not exist yet.
-        while starts:
+        while True:
             wave, starts = _first_of_each_run(starts, envelopes)
             with TRACE.span("claim", [envelopes[i].message_id for i in wave]):
                 work += await self._claimed_starts(shard, wave, envelopes, outcomes)
-            await self._run(shard, sorted(work, key=lambda w: w.index), outcomes, envelopes)
+            await self._run(shard, sorted(work, key=lambda w: w.index), outcomes)
+            if not starts:
+                break
             work = []
-        if work:
-            await self._run(shard, work, outcomes, envelopes)
         done = [o if o is not None else Outcome() for o in outcomes]
         for envelope, outcome in zip(envelopes, done, strict=True):
             count(envelope.kind.value, outcome)
@@ -145,7 +145,7 @@ class Processor:
             work.append(
                 _Work(i, run_id, TimerFired(f"timer-{member}", clock, stage, fence, member), fresh=True)
             )
-        await self._run(shard, work, outcomes, [])
+        await self._run(shard, work, outcomes)
         done = []
         for member, decided in zip(members, outcomes, strict=True):
             outcome = decided or Outcome()
@@ -166,18 +166,16 @@ class Processor:
 
     async def _one(self, shard: str, work: _Work) -> Outcome:
         outcomes: list[Outcome | None] = [None]
-        await self._run(shard, [work], outcomes, [])
+        await self._run(shard, [work], outcomes)
         return outcomes[0] or Outcome()
 
-    async def _run(
-        self, shard: str, work: list[_Work], outcomes: list[Outcome | None], envelopes: list[Envelope]
-    ) -> None:
+    async def _run(self, shard: str, work: list[_Work], outcomes: list[Outcome | None]) -> None:
         pending: dict[str, deque[_Work]] = {}
         for item in work:
             pending.setdefault(item.run_id, deque()).append(item)
         try:
             while pending:
-                this_round = [w for queue in pending.values() for w in _take(queue, envelopes)]
+                this_round = [w for queue in pending.values() for w in _take(queue)]
                 again = await self._round(shard, this_round, outcomes)
                 for item in reversed(again):  # decided afresh next round, before the run's later messages
                     pending[item.run_id].appendleft(item)
@@ -244,7 +242,11 @@ class Processor:
             return await self._not_here(shard, item)
         # a run whose plan is missing (Redis lost it) raises: its message goes back to the queue
         plan = item.plan or await self.store.typed_plan(digest)
-        if snapshot is not None and run.record is not None:
+        if (
+            isinstance(item.event, (BarrierReleased, Nudge))
+            and snapshot is not None
+            and run.record is not None
+        ):
             snapshot = await self._with_members(shard, item, plan, snapshot, run.record)
         decision = advance(plan, digest, snapshot, item.event, now, self.limits)
         if snapshot is None and not decision.create:
@@ -499,23 +501,21 @@ def _afresh(item: _Work, shard: str, records: RunRecords, *, conflicted: bool = 
     return dataclasses.replace(item, fresh=True, conflicts=conflicts)
 
 
-def _take(queue: deque[_Work], envelopes: list[Envelope]) -> list[_Work]:
+def _take(queue: deque[_Work]) -> list[_Work]:
     """A run's next message for this round; successful map-item results of one stage travel together,
     because arrivals commute (each checks only its own stage fence and the run's intent)."""
     first = queue.popleft()
     taken = [first]
-    if _is_item_success(first, envelopes):
-        stage = envelopes[first.index].stage
-        while queue and _is_item_success(queue[0], envelopes) and envelopes[queue[0].index].stage == stage:
-            taken.append(queue.popleft())
+    stage = _item_success_of(first)
+    while stage is not None and queue and _item_success_of(queue[0]) == stage:
+        taken.append(queue.popleft())
     return taken
 
 
-def _is_item_success(item: _Work, envelopes: list[Envelope]) -> bool:
-    if not isinstance(item.event, StageResult) or not envelopes:
-        return False
-    envelope = envelopes[item.index]
-    return envelope.kind is Kind.RESULT and envelope.item is not None and envelope.body.get("ok") is True
+def _item_success_of(item: _Work) -> str | None:
+    """The map stage ``item`` reports a successful item of (None: it reports none)."""
+    event = item.event
+    return event.stage if isinstance(event, StageResult) and event.item is not None and event.ok else None
 
 
 def _to_publish(decision: Decision, code: int, detail: str) -> list[Outgoing]:
