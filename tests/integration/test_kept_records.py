@@ -104,6 +104,17 @@ async def deliver_all(processor: Processor, store: RedisStore, client: aioredis.
     raise AssertionError("the runs did not settle")
 
 
+async def settled_and_sound(
+    processor: Processor, store: RedisStore, client: aioredis.Redis, runs: list[str], state: str
+) -> None:
+    """Answer everything the runs wait for: they end ``state``, and the fault suite's shared invariants
+    hold over them."""
+    await deliver_all(processor, store, client)
+    with redis.Redis.from_url(REDIS_URL, decode_responses=True) as r:
+        violations = invariants.check_runs(r, store.prefix, runs, expect_state=state, effects=False)
+    invariants.assert_no_violations(violations, "a batch's rounds")
+
+
 def message_for(message: Outgoing) -> Envelope:
     return report(message) if message.kind == "task" else envelope_for(message, SIGNER, 0)
 
@@ -301,6 +312,7 @@ def test_a_message_decided_again_keeps_its_place_before_its_runs_later_ones() ->
         completed = [i for i, kind in enumerate(kinds) if kind == "stage.completed"]
         assert len(completed) == 2 and completed[-1] < kinds.index("cancel.requested"), kinds
         assert "callback.rejected" not in kinds, kinds
+        await settled_and_sound(here, store, client, [run], "failed")
 
     asyncio.run(with_store(main))
 
@@ -336,6 +348,7 @@ def test_a_runs_second_start_in_one_batch_sees_the_run_its_first_created() -> No
             "a refusal recorded for a run that runs"
         )
         assert await client.hget(store.keys(SHARD).run(run), "status") == "running"
+        await settled_and_sound(processor, store, client, [run], "completed")
 
     asyncio.run(with_store(main))
 
