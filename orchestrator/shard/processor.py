@@ -38,7 +38,13 @@ from orchestrator.shard.events import start_body, to_event
 from orchestrator.shard.records import RunRecords
 from orchestrator.store.redis_store import ApplyResult, PlanNotFound, RedisStore
 from orchestrator.store.replies import APPLIED, CONFLICT, DUPLICATE, NO_RUN
-from orchestrator.store.spec import ordered_items, record_after, snapshot_from_record, writes_run
+from orchestrator.store.spec import (
+    ordered_items,
+    record_after,
+    snapshot_after,
+    snapshot_from_record,
+    writes_run,
+)
 from orchestrator.trace import TRACE
 from orchestrator.wire.kinds import Kind
 from orchestrator.wire.outgoing import Outgoing
@@ -220,11 +226,12 @@ class Processor:
             if isinstance(item.event, StartRun) and not item.fresh:
                 read[run] = _Read(None, None, kept=False)  # claimed just now: nothing to read
                 continue
-            record = None if item.fresh else self.records.get(shard, run)
-            if record is None:
+            kept = None if item.fresh else self.records.get(shard, run)
+            if kept is None:
                 missing.append(run)
             else:
-                read[run] = _Read(record, snapshot_from_record(record, {}, shared=True), kept=True)
+                built = kept.snapshot or snapshot_from_record(kept.record, {}, shared=True)
+                read[run] = _Read(kept.record, built, kept=True)
         if missing:
             for run, record in zip(missing, await self.store.records(shard, missing), strict=True):
                 snapshot = snapshot_from_record(record, {}, shared=True) if record is not None else None
@@ -436,8 +443,10 @@ class Processor:
             self.records.forget(shard, run_id)
             return
         after = record_after(base or {}, decision, rev)
-        read[run_id] = _Read(after, None, kept=True)
-        self.records.keep(shard, run_id, after)
+        previous = before.snapshot if before is not None else None
+        snapshot = snapshot_after(previous, after, decision) if previous is not None else None
+        read[run_id] = _Read(after, snapshot, kept=True)
+        self.records.keep(shard, run_id, after, snapshot)
 
 
 @dataclass(frozen=True)

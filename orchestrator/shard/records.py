@@ -8,29 +8,42 @@ turns it into a CONFLICT, and the message is decided again from a fresh read. Ar
 expect no revision, as they never did (they commute with each other and check their own fences); a
 decision from a kept record that refuses its message is made again from a fresh read before it is
 recorded. After an applied transition the record is brought forward from the decision's own writes
-when the reply's revision shows that nothing came in between; otherwise it is forgotten.
+when the reply's revision shows that nothing came in between; otherwise it is forgotten. The engine's
+snapshot of a kept record is brought forward with it, from the decision's writes alone, so that a run's
+next transition parses only what its last one changed.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import dataclass
+
+from orchestrator.engine.model import RunSnapshot
 
 DEFAULT_CAPACITY = 4096  # records per process (a model-ingest record is a few kB)
+
+
+@dataclass(frozen=True)
+class KeptRun:
+    record: dict[str, str]
+    snapshot: RunSnapshot | None  # None: to be built from the record when the run's next message comes
 
 
 class RunRecords:
     def __init__(self, capacity: int = DEFAULT_CAPACITY) -> None:
         self.capacity = capacity
-        self._kept: OrderedDict[tuple[str, str], dict[str, str]] = OrderedDict()
+        self._kept: OrderedDict[tuple[str, str], KeptRun] = OrderedDict()
 
-    def get(self, shard: str, run_id: str) -> dict[str, str] | None:
-        record = self._kept.get((shard, run_id))
-        if record is not None:
+    def get(self, shard: str, run_id: str) -> KeptRun | None:
+        kept = self._kept.get((shard, run_id))
+        if kept is not None:
             self._kept.move_to_end((shard, run_id))
-        return record
+        return kept
 
-    def keep(self, shard: str, run_id: str, record: dict[str, str]) -> None:
-        self._kept[(shard, run_id)] = record
+    def keep(
+        self, shard: str, run_id: str, record: dict[str, str], snapshot: RunSnapshot | None = None
+    ) -> None:
+        self._kept[(shard, run_id)] = KeptRun(record, snapshot)
         self._kept.move_to_end((shard, run_id))
         while len(self._kept) > self.capacity:
             self._kept.popitem(last=False)

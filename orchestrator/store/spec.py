@@ -11,9 +11,10 @@ that form (a hash of item -> result) finishes in the hash it began with.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -214,6 +215,47 @@ def json_field(text: str) -> Any:
     return json.loads(text)
 
 
+_STAGE_FIELDS = ("status", "attempt", "fence", "result", "error", "items", "sent", "window", "done_at")
+
+
+def _stage_record(fields: Mapping[str, str], parse: Callable[[str], Any]) -> StageRecord:
+    return StageRecord(
+        status=StageStatus(fields["status"]),
+        attempt=int(fields.get("attempt", "1")),
+        fence=fields.get("fence", ""),
+        result=parse(fields["result"]) if "result" in fields else None,
+        error=fields.get("error"),
+        items=int(fields["items"]) if "items" in fields else None,
+        sent=int(fields["sent"]) if "sent" in fields else None,
+        window=int(fields["window"]) if "window" in fields else None,
+        completed_at=int(fields["done_at"]) if "done_at" in fields else None,
+    )
+
+
+def _run_fields(
+    record: Mapping[str, str], parse: Callable[[str], Any], context: Any = None
+) -> dict[str, Any]:
+    """The snapshot's run-level fields; ``context``: the already parsed context, if it did not change."""
+    return {
+        "run_id": record["run_id"],
+        "shard": record["shard"],
+        "digest": record["digest"],
+        "status": RunStatus(record["status"]),
+        "context": context if context is not None else parse(record.get("context", "{}")),
+        "intent": Intent(record["intent"]) if record.get("intent") else None,
+        "reason": record.get("reason"),
+        "epoch": int(record.get("epoch", "1")),
+        "finaliser_index": int(record.get("finaliser_index", "0")),
+        "finaliser_failed": record.get("finaliser_failed") == "1",
+        "compensations": tuple(json.loads(record["compensations"])) if "compensations" in record else (),
+        "compensation_index": int(record.get("compensation_index", "0")),
+        "compensation_failed": record.get("compensation_failed") == "1",
+        "phase": record.get("phase", ""),
+        "tenant": record.get("tenant", "default"),
+        "output": parse(record["output"]) if "output" in record else None,
+    }
+
+
 def snapshot_from_record(
     record: Mapping[str, str], map_results: Mapping[str, list[Any]], *, shared: bool = False
 ) -> RunSnapshot:
@@ -237,42 +279,57 @@ def snapshot_from_record(
         elif tag == "b":
             counters[name[2:]] = int(value)
     stages = {
-        name: StageRecord(
-            status=StageStatus(fields["status"]),
-            attempt=int(fields.get("attempt", "1")),
-            fence=fields.get("fence", ""),
-            result=parse(fields["result"]) if "result" in fields else None,
-            error=fields.get("error"),
-            items=int(fields["items"]) if "items" in fields else None,
-            sent=int(fields["sent"]) if "sent" in fields else None,
-            window=int(fields["window"]) if "window" in fields else None,
-            completed_at=int(fields["done_at"]) if "done_at" in fields else None,
-        )
-        for name, fields in stage_fields.items()
-        if "status" in fields
+        name: _stage_record(fields, parse) for name, fields in stage_fields.items() if "status" in fields
     }
     return RunSnapshot(
-        run_id=record["run_id"],
-        shard=record["shard"],
-        digest=record["digest"],
-        status=RunStatus(record["status"]),
-        context=parse(record.get("context", "{}")),
-        intent=Intent(record["intent"]) if record.get("intent") else None,
-        reason=record.get("reason"),
-        epoch=int(record.get("epoch", "1")),
-        finaliser_index=int(record.get("finaliser_index", "0")),
-        finaliser_failed=record.get("finaliser_failed") == "1",
-        compensations=tuple(json.loads(record["compensations"])) if "compensations" in record else (),
-        compensation_index=int(record.get("compensation_index", "0")),
-        compensation_failed=record.get("compensation_failed") == "1",
-        phase=record.get("phase", ""),
+        **_run_fields(record, parse),
         item_attempts=item_attempts,
-        tenant=record.get("tenant", "default"),
-        output=parse(record["output"]) if "output" in record else None,
         stages=stages,
         map_results=map_results,
         barriers=counters,
     )
+
+
+def snapshot_after(previous: RunSnapshot, record: Mapping[str, str], decision: Decision) -> RunSnapshot:
+    """``snapshot_from_record(record, {}, shared=True)``, where ``record`` is what ``decision`` left of
+    the record ``previous`` was built from (:func:`record_after`): only what the decision wrote or
+    removed is read again, so a run's later transitions do not parse its untouched stages' results
+    (and its context) over and over."""
+    keys = [write.key for write in decision.writes] + [key for key, _ in decision.removes]
+    stages = {key.name for key in keys if key.kind == "stage"}
+    items = {key.name for key in keys if key.kind == "item"}
+    counters = {key.name for key in keys if key.kind == "counter"}
+    counters.update(barrier.key.name for barrier in decision.barriers)
+    if decision.arrival is not None:
+        counters.add(decision.arrival.key.name)
+    changes: dict[str, Any] = {"map_results": {}, "arrivals": {}}
+    if any(key.kind == "run" for key in keys):
+        run_fields = {name for write in decision.writes if write.key.kind == "run" for name in write.fields}
+        run_fields.update(name for key, name in decision.removes if key.kind == "run")
+        changes.update(_run_fields(record, json_field, None if "context" in run_fields else previous.context))
+    if stages:
+        changed = dict(previous.stages)
+        for name in stages:
+            fields = {f: v for f in _STAGE_FIELDS if (v := record.get(f"s:{name}:{f}")) is not None}
+            if "status" in fields:
+                changed[name] = _stage_record(fields, json_field)
+            else:
+                changed.pop(name, None)
+        changes["stages"] = changed
+    for field, prefix, names, before in (
+        ("item_attempts", "i:", items, previous.item_attempts),
+        ("barriers", "b:", counters, previous.barriers),
+    ):
+        if names:
+            values = dict(before)
+            for name in names:
+                value = record.get(prefix + name)
+                if value is None:
+                    values.pop(name, None)
+                else:
+                    values[name] = int(value)
+            changes[field] = values
+    return dataclasses.replace(previous, **changes)
 
 
 def ordered_items(members: Mapping[str, str]) -> list[Any]:

@@ -23,6 +23,7 @@ from orchestrator.shard.processor import Processor
 from orchestrator.store.keys import plan_key, refused_key
 from orchestrator.store.redis_store import ApplyResult, PlanNotFound, RedisStore
 from orchestrator.store.replies import CONFLICT
+from orchestrator.store.spec import snapshot_from_record
 from orchestrator.wire import bodies, ids
 from orchestrator.wire.kinds import Kind
 from orchestrator.wire.outgoing import Outgoing
@@ -76,31 +77,42 @@ async def with_store(test: Callable[[CountingStore, aioredis.Redis], Awaitable[N
 
 async def assert_kept_records_are_redis(
     processor: Processor, store: RedisStore, client: aioredis.Redis
-) -> int:
-    """Every kept record equals its run hash (but the live-count flag, which no decision reads)."""
+) -> tuple[int, int]:
+    """Every kept record equals its run hash (but the live-count flag, which no decision reads), and the
+        engine's snapshot kept with it, where there is one, is the snapshot of that hash. Returns how many
+    records and snapshots were checked."""
     kept = list(processor.records._kept.items())
-    for (shard, run_id), record in kept:
+    snapshots = 0
+    for (shard, run_id), run in kept:
         stored = await client.hgetall(store.keys(shard).run(run_id))  # type: ignore[misc]
         stored.pop("counted", None)
-        kept_fields = {name: value for name, value in record.items() if name != "counted"}
+        kept_fields = {name: value for name, value in run.record.items() if name != "counted"}
         assert kept_fields == stored, f"kept record of {run_id} differs from Redis"
-    return len(kept)
+        if run.snapshot is not None:
+            built = snapshot_from_record(stored, {}, shared=True)
+            assert run.snapshot == built, f"kept snapshot of {run_id} differs from Redis's record"
+            snapshots += 1
+    return len(kept), snapshots
 
 
-async def deliver_all(processor: Processor, store: RedisStore, client: aioredis.Redis) -> int:
+async def deliver_all(
+    processor: Processor, store: RedisStore, client: aioredis.Redis, *, snapshots: bool = False
+) -> int:
     """Answer everything in the outbox, every task of a round in one batch (as a busy shard sees them),
-    checking the kept records after each batch. Returns the number of messages handled."""
-    handled = 0
+    checking the kept records after each batch (``snapshots``: and that some kept snapshots were checked).
+    Returns the number of messages handled."""
+    handled = checked = 0
     for _ in range(40):
         entries = [outgoing_from_payload(p) for p in (await store.outbox(SHARD)).values()]
         if not entries:
+            assert checked or not snapshots, "no kept snapshot was checked"
             return handled
         await store.mark_sent(SHARD, [m.message_id for m in entries])
         batch = [message_for(m) for m in entries if m.kind in ("task", "barrier.released")]
         if batch:
             await processor.handle_batch(SHARD, batch)
             handled += len(batch)
-            await assert_kept_records_are_redis(processor, store, client)
+            checked += (await assert_kept_records_are_redis(processor, store, client))[1]
     raise AssertionError("the runs did not settle")
 
 
@@ -147,8 +159,10 @@ def test_kept_records_equal_the_run_hashes_and_spare_the_reads() -> None:
         bags = await start(
             store, processor, compile_yaml(SPLIT), "split-bag", [{"modelIds": ["a", "b", "c", "d"]}] * 3
         )
-        assert await assert_kept_records_are_redis(processor, store, client) == 9  # kept from creation on
-        handled = await deliver_all(processor, store, client)
+        assert (await assert_kept_records_are_redis(processor, store, client))[
+            0
+        ] == 9  # kept from creation on
+        handled = await deliver_all(processor, store, client, snapshots=True)
         # every transition after a run's creation was decided from its kept record, but around a bag's
         # release: it reads the items' results afresh (they are not kept), and the next message the record
         assert not set(store.read_runs) & set(ingest), f"{store.reads} reads for {handled} messages"

@@ -1,7 +1,9 @@
 """Property test: under hostile delivery (the chaos of ``test_engine_properties``), the record a shard
 keeps between transitions (``spec.record_after``: the record before, brought forward from the decision's
 own writes) is exactly the record the store holds after every applied transition, and the revision
-counts one for every transition that writes the run hash and none for one that only records a refusal.
+counts one for every transition that writes the run hash and none for one that only records a refusal;
+and the engine's snapshot kept with it (``spec.snapshot_after``: brought forward from the decision alone,
+transition after transition) is the snapshot built from the stored record.
 """
 
 from __future__ import annotations
@@ -11,8 +13,9 @@ from typing import Any
 from hypothesis import given
 from hypothesis import strategies as st
 
+from orchestrator.engine.model import RunSnapshot
 from orchestrator.store.replies import APPLIED, DUPLICATE
-from orchestrator.store.spec import record_after, writes_run
+from orchestrator.store.spec import record_after, snapshot_after, snapshot_from_record, writes_run
 from tests.unit.engine_sim import Handled, Sim
 from tests.unit.test_engine_properties import FORMATS, SETTINGS, chaos, new_sim
 
@@ -24,7 +27,9 @@ class Predicted:
 
     def __init__(self) -> None:
         self.before: dict[str, str] = {}
+        self.snapshot: RunSnapshot | None = None  # brought forward since the run's creation, if it could be
         self.checked = 0
+        self.chained = 0
 
     def __call__(self, sim: Sim, handled: Handled) -> None:
         run = sim.store.runs.get(sim.run_id)
@@ -35,8 +40,16 @@ class Predicted:
             predicted = record_after(self.before, handled.decision, rev)
             assert _read(predicted) == _read(after), f"kept record differs after {handled.event}"
             self.checked += 1
+            built = snapshot_from_record(after, {}, shared=True)
+            if self.snapshot is not None:
+                brought = snapshot_after(self.snapshot, predicted, handled.decision)
+                assert brought == built, f"kept snapshot differs after {handled.event}"
+                self.chained += 1
+            self.snapshot = built
         elif handled.code == DUPLICATE or handled.code is None:
             assert after == self.before, f"{handled.event} changed the record without applying"
+        else:
+            self.snapshot = snapshot_from_record(after, {}, shared=True) if after else None
         self.before = after
 
 
@@ -49,6 +62,7 @@ def chaos_with_prediction(data: st.DataObject, name: str, context: dict[str, Any
     sim = new_sim(name, hook=hook, **kwargs)
     chaos(data, sim, context)
     assert hook.checked >= 3, "the run applied transitions that were checked"
+    assert hook.chained >= 2, "kept snapshots were brought forward and checked"
 
 
 @SETTINGS
