@@ -96,9 +96,9 @@ class _NewestFirst(deque[Connection]):
 
 
 class _ClusterClient(AsyncRedisCluster):
-    """redis-py's asyncio ``RedisCluster``, mended in two ways for a slot being migrated (found with
-    redis-py 7.4.1 by tests/cluster/test_cluster_cases.py, pinned by test_cluster_client.py; redis-py's
-    8.0 has the same code).
+    """redis-py's asyncio ``RedisCluster``, mended in two ways for a slot being migrated and in one for a
+    new client's first commands (found with redis-py 7.4.1 by tests/cluster/test_cluster_cases.py and
+    test_cluster_client.py, pinned by the latter; redis-py's 8.0 has the same code).
 
     * **ASK is followed.** redis-py sends ``ASKING`` and then the redirected command to the importing node
       as two pooled commands, and a node hands out its *oldest* free connection and takes it back at the
@@ -114,7 +114,18 @@ class _ClusterClient(AsyncRedisCluster):
       the shard service would count as a failed transition (requeued, then poisoned). Raised as
       ``TryAgainError`` instead, it is what the service already treats as "the cluster is resharding":
       deliveries go back and the shard waits, as for Redis down.
+    * **A new client knows the slots before its first command.** redis-py picks a command's node before
+      it reads the cluster's slots, and with no slots known it sends a keyed command to a random node,
+      relying on MOVED. Every fifth MOVED closes every connection of the client: a busy client's first
+      commands (many at once) then close each other's connections mid-handshake, and fail with
+      "Connection closed by server" once their retries run out. Reading the slots first sends each
+      command to its key's node from the start.
     """
+
+    async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        if self._initialize:  # see the class's docstring: a keyed command must not go to a random node
+            await self.initialize()
+        return await super().execute_command(*args, **kwargs)
 
     async def _execute_command(self, target_node: AsyncClusterNode, *args: Any, **kwargs: Any) -> Any:
         for node in self.nodes_manager.nodes_cache.values():  # nodes come and go: checked on each call

@@ -2,7 +2,8 @@
 migrated: it follows ASK also when it holds many connections to the importing node (redis-py's own client
 then sends ASKING on one connection and the command on another, and fails with "TTL exhausted"), and a
 TRYAGAIN that lasts past redis-py's redirection budget reaches the caller as ``TryAgainError`` (what the
-shard service treats as "the cluster is resharding: wait"), not as a ``ClusterError``."""
+shard service treats as "the cluster is resharding: wait"), not as a ``ClusterError``; and a new client's
+first commands, many at once, go to their keys' nodes rather than to random ones."""
 
 from __future__ import annotations
 
@@ -65,3 +66,22 @@ def test_the_client_follows_ask_and_reports_a_lasting_tryagain_as_such(cluster: 
     with cluster.client() as rc:
         assert rc.mget_nonatomic([f"{TAG}:present", f"{TAG}:created"]) == ["1", "v"]
         rc.delete(f"{TAG}:present", f"{TAG}:created")
+
+
+def test_a_new_clients_first_commands_go_to_their_keys_nodes(cluster: LocalCluster) -> None:
+    async def first_commands() -> tuple[list[Any], int]:
+        # reinitialize_steps=0: every MOVED is counted (by default the count restarts at every fifth)
+        client = async_client(cluster.url, decode_responses=True, reinitialize_steps=0)
+        try:
+            keys = [f"{{first-{i}}}:k" for i in range(24)]  # slots of every primary
+            found = await asyncio.gather(*(client.get(k) for k in keys))
+            return found, client.reinitialize_counter  # type: ignore[attr-defined]
+        finally:
+            await client.aclose()
+
+    # When a new client's first commands go out together, before it knows the cluster's slots
+    found, redirected = asyncio.run(first_commands())
+    # Then each went to its key's node: no MOVED (every fifth would have closed every connection of the
+    # client, the others' handshakes with them), and every command was answered
+    assert redirected == 0
+    assert found == [None] * 24
