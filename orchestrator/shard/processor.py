@@ -351,9 +351,9 @@ class Processor:
     async def _chosen_digest(self, shard: str, definition: str, run_id: str) -> str:
         """A start that names no plan gets the version a client would have chosen for its run id; one
         re-sent for a run of this shard, the run's own (a duplicate)."""
-        snapshot = await self.store.snapshot(shard, run_id)
-        if snapshot is not None:
-            return snapshot.digest
+        pinned = await self.store.run_digest(shard, run_id)
+        if pinned is not None:
+            return pinned
         state = await self.definitions.load(definition)
         if not state.versions:
             raise PlanNotFound(f"definition {definition!r}")
@@ -384,7 +384,7 @@ class Processor:
         owner = await self.store.owner(envelope.run_id)
         if owner is not None and owner != shard:
             return None
-        if owner == shard and await self.store.snapshot(shard, envelope.run_id) is not None:
+        if owner == shard and await self.store.run_digest(shard, envelope.run_id) is not None:
             return None
         await self.store.record_refusal(envelope.run_id, digest, info, why, self.clock_ms())
         return Outcome(rejected=("version-not-startable", f"run {envelope.run_id} not created: {why}"))

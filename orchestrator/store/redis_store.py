@@ -142,6 +142,12 @@ class RedisStore:
             return snapshot
         return dataclasses.replace(snapshot, arrivals=await self.arrivals(shard, run_id, members_of))
 
+    async def run_digest(self, shard: str, run_id: str) -> str | None:
+        """The plan digest run ``run_id`` is pinned to; None: no such run on ``shard``. One field, for
+        the callers that only ask whether the run exists and on which plan."""
+        digest = await self.client.hget(self.keys(shard).run(run_id), "digest")  # type: ignore[misc]
+        return _str(digest) if digest is not None else None
+
     async def barrier_members(self, shard: str, run_id: str, stage: str) -> dict[str, str]:
         """What arrived at a barrier: a join's branches (-> ''), a map's items (index -> result JSON)."""
         keys = self.keys(shard)

@@ -55,6 +55,10 @@ class CountingStore(RedisStore):
         self.read_runs.append(run_id)
         return await super().snapshot(shard, run_id, *args, **kwargs)
 
+    async def run_digest(self, shard: str, run_id: str) -> str | None:
+        self.read_runs.append(run_id)
+        return await super().run_digest(shard, run_id)
+
     async def apply_many(self, *args: Any, **kwargs: Any) -> list[ApplyResult]:
         results = await super().apply_many(*args, **kwargs)
         self.conflicts += [r.detail for r in results if r.code == CONFLICT]
