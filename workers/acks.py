@@ -4,7 +4,9 @@ Tasks finish out of order, but acking each one is a socket write, and writes dom
 Delivery tags are per channel and increase, so once every delivery up to tag N is settled, one
 ``ack(multiple=True)`` on N settles them all. This tracks settled tags and, once per event-loop turn,
 acks the longest settled prefix. A task is marked settled only after its result was confirmed, so the
-guarantee is unchanged: nothing is acked before its result is safe.
+guarantee is unchanged: nothing is acked before its result is safe. (An ack needs no confirm: were its
+write lost with the connection, the broker would redeliver the task, and its result, already confirmed,
+would come back to the shard as a recognised duplicate.)
 """
 
 from __future__ import annotations
@@ -61,9 +63,11 @@ class AckCoalescer:
             tag = heapq.heappop(self._pending)
             self._settled.discard(tag)
             last = self._ack_ready.pop(tag, None) or last
-        if last is not None:
+        if last is not None and last.delivery_tag is not None:
             try:
-                await last.ack(multiple=True)
+                # queued, not waited for: aio-pika's ack waits for its own socket write and drain, so the
+                # ack would leave alone; unwaited, it joins the turn's publishes in one write
+                await last.channel.basic_ack(delivery_tag=last.delivery_tag, multiple=True, wait=False)
             except Exception:  # the channel is gone: the broker requeues every unacked delivery
                 log.warning("could not ack up to delivery %s; the broker will redeliver", last.delivery_tag)
 

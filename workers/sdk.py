@@ -29,6 +29,7 @@ the ``__saga_handler__`` / ``__saga_contract__``); the worker consumes the contr
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -76,11 +77,12 @@ class Handler:
     function: Callable[..., Any]
     adapts_to: str | None = None
 
-    @property
+    # cached: read for every task, and inspect's signature is not cheap
+    @functools.cached_property
     def is_async(self) -> bool:
         return inspect.iscoroutinefunction(self.function)
 
-    @property
+    @functools.cached_property
     def wants_context(self) -> bool:
         """Whether the function takes the task's context as its second argument."""
         return wants_context(self.function)

@@ -10,13 +10,20 @@ from workers.acks import AckCoalescer
 
 
 @dataclass
-class FakeMessage:
-    delivery_tag: int
-    channel: object
+class FakeChannel:
+    """The AMQP channel a delivery came on: records the acks written to it."""
+
     acks: list[tuple[int, bool]] = field(default_factory=list)
 
-    async def ack(self, multiple: bool = False) -> None:
-        self.acks.append((self.delivery_tag, multiple))
+    async def basic_ack(self, delivery_tag: int, multiple: bool = False, wait: bool = True) -> None:
+        assert not wait, "a coalesced ack is queued, not waited for (it joins the turn's other frames)"
+        self.acks.append((delivery_tag, multiple))
+
+
+@dataclass
+class FakeMessage:
+    delivery_tag: int
+    channel: FakeChannel
 
 
 def run(steps: Any) -> None:
@@ -24,9 +31,9 @@ def run(steps: Any) -> None:
 
 
 def test_only_the_settled_prefix_is_acked_with_one_multiple_ack() -> None:
-    log: list[tuple[int, bool]] = []
-    channel = object()
-    messages = [FakeMessage(tag, channel, log) for tag in (1, 2, 3, 4)]
+    channel = FakeChannel()
+    log = channel.acks
+    messages = [FakeMessage(tag, channel) for tag in (1, 2, 3, 4)]
 
     async def steps() -> None:
         acks = AckCoalescer()
@@ -47,9 +54,9 @@ def test_only_the_settled_prefix_is_acked_with_one_multiple_ack() -> None:
 
 
 def test_a_nacked_delivery_counts_as_settled_but_is_not_acked_itself() -> None:
-    log: list[tuple[int, bool]] = []
-    channel = object()
-    messages = [FakeMessage(tag, channel, log) for tag in (1, 2)]
+    channel = FakeChannel()
+    log = channel.acks
+    messages = [FakeMessage(tag, channel) for tag in (1, 2)]
 
     async def steps() -> None:
         acks = AckCoalescer()
@@ -64,8 +71,8 @@ def test_a_nacked_delivery_counts_as_settled_but_is_not_acked_itself() -> None:
 
 
 def test_a_new_channel_forgets_the_old_ones_tags() -> None:
-    stuck = FakeMessage(7, object())
-    fresh = FakeMessage(1, object())  # the connection dropped; the broker redelivers on a new channel
+    stuck = FakeMessage(7, FakeChannel())
+    fresh = FakeMessage(1, FakeChannel())  # the connection dropped; the broker redelivers on a new channel
 
     async def steps() -> None:
         acks = AckCoalescer()
@@ -76,5 +83,5 @@ def test_a_new_channel_forgets_the_old_ones_tags() -> None:
         await acks.flush()
 
     run(steps)
-    assert stuck.acks == []  # nothing acked on the dead channel
-    assert fresh.acks == [(1, True)]  # and the old tag 7 does not block the new channel
+    assert stuck.channel.acks == []  # nothing acked on the dead channel
+    assert fresh.channel.acks == [(1, True)]  # and the old tag 7 does not block the new channel
