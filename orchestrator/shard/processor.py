@@ -230,7 +230,10 @@ class Processor:
             if kept is None:
                 missing.append(run)
             else:
-                built = kept.snapshot or snapshot_from_record(kept.record, {}, shared=True)
+                built = kept.snapshot
+                if built is None:  # kept from the run's creation, or too large to keep parsed
+                    built = snapshot_from_record(kept.record, {}, shared=True)
+                    self.records.keep(shard, run, kept.record, built)
                 read[run] = _Read(kept.record, built, kept=True)
         if missing:
             for run, record in zip(missing, await self.store.records(shard, missing), strict=True):

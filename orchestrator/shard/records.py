@@ -21,6 +21,10 @@ from dataclasses import dataclass
 from orchestrator.engine.model import RunSnapshot
 
 DEFAULT_CAPACITY = 4096  # records per process (a model-ingest record is a few kB)
+#: A record whose text is larger than this keeps no snapshot beside it (it is parsed for each message, as
+#: a record read afresh is): parsed, a bag's large context takes several times its text's memory, and
+#: this holds thousands of records.
+SNAPSHOT_UP_TO = 256 * 1024
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,8 @@ class RunRecords:
     def keep(
         self, shard: str, run_id: str, record: dict[str, str], snapshot: RunSnapshot | None = None
     ) -> None:
+        if snapshot is not None and sum(map(len, record.values())) > SNAPSHOT_UP_TO:
+            snapshot = None
         self._kept[(shard, run_id)] = KeptRun(record, snapshot)
         self._kept.move_to_end((shard, run_id))
         while len(self._kept) > self.capacity:
