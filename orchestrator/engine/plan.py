@@ -136,8 +136,8 @@ class Plan:
     run_deadline_ms: int | None = None
     output: Any = None
     context: Any = None  # the context's JSON Schema, if the definition declares one
-    bags: frozenset[str] = field(default=frozenset())  # the map stages
     barriers: tuple[str, ...] = ()  # joins and maps, sorted: the stages with a barrier counter
+    bags: tuple[str, ...] = ()  # the maps, in barrier order (as their keys follow the barriers' in KEYS)
     compensable: Mapping[str, str] = field(default_factory=dict)  # stage -> its compensation, plan order
 
     def work(self, name: str) -> Work | None:
@@ -157,6 +157,7 @@ def typed_plan(raw: Mapping[str, Any]) -> Plan:
     """The typed plan of a compiled plan's mapping. Raises PlanShapeError for one the engine cannot run."""
     try:
         stages = _stages(raw["stages"])
+        barriers = tuple(sorted(n for n, s in stages.items() if isinstance(s, (Join, Bag))))
         contracts = {
             str(ref): ContractPlan(
                 queue=str(c.get("queue", "")),
@@ -175,8 +176,8 @@ def typed_plan(raw: Mapping[str, Any]) -> Plan:
             run_deadline_ms=raw.get("run_deadline_ms") or None,
             output=raw.get("output"),
             context=raw.get("context"),
-            bags=frozenset(n for n, s in stages.items() if isinstance(s, Bag)),
-            barriers=tuple(sorted(n for n, s in stages.items() if isinstance(s, (Join, Bag)))),
+            barriers=barriers,
+            bags=tuple(n for n in barriers if isinstance(stages[n], Bag)),
             compensable=MappingProxyType(
                 {n: s.compensate for n, s in stages.items() if isinstance(s, Work) and s.compensate}
             ),

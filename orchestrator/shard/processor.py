@@ -252,12 +252,8 @@ class Processor:
             return await self._not_here(shard, item)
         # a run whose plan is missing (Redis lost it) raises: its message goes back to the queue
         plan = item.plan or await self.store.typed_plan(digest)
-        if (
-            isinstance(item.event, (BarrierReleased, Nudge))
-            and snapshot is not None
-            and run.record is not None
-        ):
-            snapshot = await self._with_members(shard, item, plan, snapshot, run.record)
+        if isinstance(item.event, (BarrierReleased, Nudge)) and snapshot is not None:
+            snapshot = await self._with_members(shard, item, plan, snapshot)
         decision = advance(plan, digest, snapshot, item.event, now, self.limits)
         if snapshot is None and not decision.create:
             why = f"run {item.run_id} does not exist"
@@ -270,15 +266,13 @@ class Processor:
                 decision = dataclasses.replace(decision, expects=(*decision.expects, guard))
         return plan, decision
 
-    async def _with_members(
-        self, shard: str, item: _Work, plan: Plan, snapshot: RunSnapshot, record: dict[str, str]
-    ) -> RunSnapshot:
+    async def _with_members(self, shard: str, item: _Work, plan: Plan, snapshot: RunSnapshot) -> RunSnapshot:
         """The snapshot with what a bag's release needs (its items' results, in item order) or a nudge
         (the items that arrived at each open bag, read again on every try: it re-sends the others)."""
         event = item.event
         if isinstance(event, BarrierReleased) and event.stage in plan.bags:
             members = await self.store.barrier_members(shard, item.run_id, event.stage)
-            return snapshot_from_record(record, {event.stage: ordered_items(members)}, shared=True)
+            return dataclasses.replace(snapshot, map_results={event.stage: ordered_items(members)})
         if isinstance(event, Nudge):
             bags = tuple(n for n in snapshot.stages if n in plan.bags)
             if bags:

@@ -60,7 +60,7 @@ class ShardKeys:
         definition, a definition version, or one of those in a state). Kept by the transitions."""
         return f"{self.tag}:idx:" + ":".join(parts)
 
-    def transition_keys(self, run_id: str, barriers: list[str], bags: Sequence[str] = ()) -> list[str]:
+    def transition_keys(self, run_id: str, barriers: Sequence[str], bags: Sequence[str] = ()) -> list[str]:
         """KEYS of every transition function, in the order helpers.lua documents: the fixed ones, a hash
         per barrier, then each bag's (map's) bitmap and results list."""
         fixed = [

@@ -232,18 +232,16 @@ class RedisStore:
         now_ms: int,
     ) -> tuple[Spec, list[str]]:
         """The spec of one transition and the KEYS it touches."""
-        barriers = list(plan.barriers)
-        bags = [b for b in barriers if b in plan.bags]
         spec = build_spec(
             decision,
             run_id=run_id,
             message_id=message_id,
             now_ms=now_ms,
-            barriers=barriers,
+            barriers=plan.barriers,
             retention_ms=self.retention_ms,
-            bags=bags,
+            bags=plan.bags,
         )
-        keys = self.keys(shard).transition_keys(run_id, barriers, bags)
+        keys = self.keys(shard).transition_keys(run_id, plan.barriers, plan.bags)
         if changes_status(decision):
             spec.body["index"], facets = index_spec(
                 self.keys(shard), run_id, plan.name, plan.version, len(keys) + 1
@@ -374,14 +372,10 @@ class RedisStore:
 
     async def plan(self, digest: str) -> dict[str, Any]:
         cached = self._plans.get(digest)
-        if cached is not None:
-            return cached
-        raw = await self.client.get(plan_key(self.prefix, digest))
-        if raw is None:
-            raise PlanNotFound(digest)
-        plan: dict[str, Any] = json.loads(raw)["plan"]
-        self._plans[digest] = plan  # plans are immutable: cache by digest for the process's life
-        return plan
+        if cached is None:
+            await self._load_plan(digest)
+            cached = self._plans[digest]
+        return cached
 
     async def typed_plan(self, digest: str) -> Plan:
         """Plan ``digest`` as the engine reads it, built once per digest for the process's life."""
@@ -392,17 +386,22 @@ class RedisStore:
 
     async def plan_versions(self, digest: str) -> dict[str, str]:
         """The tool versions (DSL, compiler, engine) stored beside plan ``digest``, which a run of it pins
-        at creation. Immutable like the plan: cached by digest for the process's life."""
+        at creation."""
         cached = self._plan_versions.get(digest)
-        if cached is not None:
-            return cached
+        if cached is None:
+            await self._load_plan(digest)
+            cached = self._plan_versions[digest]
+        return cached
+
+    async def _load_plan(self, digest: str) -> None:
+        """Read plan ``digest`` and the versions stored beside it, once: both are immutable, cached by
+        digest for the process's life."""
         raw = await self.client.get(plan_key(self.prefix, digest))
         if raw is None:
             raise PlanNotFound(digest)
-        stored = json.loads(raw).get("versions") or {}
-        versions = {str(k): str(v) for k, v in stored.items()}
-        self._plan_versions[digest] = versions
-        return versions
+        stored = json.loads(raw)
+        self._plans[digest] = stored["plan"]
+        self._plan_versions[digest] = {str(k): str(v) for k, v in (stored.get("versions") or {}).items()}
 
     async def record_refusal(
         self, run_id: str, digest: str, info: DigestInfo | None, why: str, now_ms: int

@@ -94,7 +94,7 @@ def build_spec(
     run_id: str,
     message_id: str,
     now_ms: int,
-    barriers: list[str],
+    barriers: Sequence[str],
     retention_ms: int,
     bags: Sequence[str] = (),
 ) -> Spec:

@@ -62,7 +62,7 @@ def agrees(raw: dict[str, Any]) -> None:
         if "arrives_at" in spec:
             assert stage.arrives_at is not None and stage.arrives_at.join == spec["arrives_at"]["join"]
     assert plan.barriers == tuple(sorted(n for n, s in raw["stages"].items() if s["type"] in ("join", "map")))
-    assert plan.bags == {n for n, s in raw["stages"].items() if s["type"] == "map"}
+    assert plan.bags == tuple(b for b in plan.barriers if raw["stages"][b]["type"] == "map")
     for ref, contract in raw["contracts"].items():
         assert plan.contracts[ref].queue == contract["queue"]
         assert plan.contracts[ref].output_schema == contract["output_schema"]
