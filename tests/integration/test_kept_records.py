@@ -251,7 +251,7 @@ def test_the_revision_alone_catches_a_write_no_decision_expects() -> None:
         assert store.conflicts == ["rev"]
         assert store.reads == 1
         await assert_kept_records_are_redis(here, store, client)
-        await deliver_all(here, store, client)
+        await settled_and_sound(here, store, client, [run], "completed")
         with redis.Redis.from_url(REDIS_URL, decode_responses=True) as r:
             assert r.hget(store.keys(SHARD).run(run), "status") == "completed"
 
