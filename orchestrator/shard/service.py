@@ -96,6 +96,10 @@ class ShardOptions:
     # shard returns its deliveries and waits. One deadline per step, not per reply: a per-read socket
     # timeout on the client measurably slowed every transition.
     redis_timeout_s: float = 5.0
+    # A batch's publishes still unconfirmed after this long are left to the relay (their outbox entries
+    # stay unmarked) and the shard goes on: a confirm the broker never sends (a channel lost while the
+    # connection came back) must not hold the shard's loop, which is also what notices a closed channel.
+    publish_timeout_s: float = 15.0
     # A message whose transition failed on this many earlier deliveries is poison: its run is marked
     # failed and the message dead-lettered now (one below the queue's x-delivery-limit, so we decide,
     # with the reason, before the broker drops it into the dead-letter queue on its own).
@@ -466,7 +470,17 @@ class ShardService:
         """Publish what committed transitions caused, then mark the confirmed (and the locally applied)
         entries sent; what is not confirmed stays in the outbox for the relay."""
         with TRACE.span("publish", [m.message_id for m in outgoing]):
-            confirmed = await self._publish(publisher, outgoing)
+            try:
+                async with asyncio.timeout(self.options.publish_timeout_s):
+                    confirmed = await self._publish(publisher, outgoing)
+            except TimeoutError:
+                log.warning(
+                    "shard %s: %d publishes not confirmed within %.0f s; the relay sends them again",
+                    shard,
+                    len(outgoing),
+                    self.options.publish_timeout_s,
+                )
+                confirmed = []
         if confirmed:
             faults.crash(self.options.crash_points, "after-confirm")
         with TRACE.span("mark_sent", confirmed):
