@@ -206,11 +206,14 @@ class WorkerRuntime:
     ) -> list[tuple[Any, str]]:
         consumers = []
         try:
+            # listening before the first task comes: a cancellation sent while the task queues are still
+            # being declared (a second or more on a new vhost) would otherwise reach no one
+            listening = await self._listen_for_cancellations(channel)
             for queue_name, contract in self.serving:
                 serial = queue_name == SERIAL_TASKS
                 on = serial_channel if serial else channel
                 consumers.append(await self._consume(on, queue_name, contract, publisher, pool, serial))
-            consumers.append(await self._listen_for_cancellations(channel))
+            consumers.append(listening)  # stopped last: the tasks still running hear cancellations
         except aiormq.exceptions.ChannelNotFoundEntity as exc:
             raise MissingTopology(
                 f"the broker has no {self.names.tasks_exchange} / {self.names.dead_letter_exchange} "
