@@ -4,8 +4,12 @@ payloads, history details). Pure.
 orjson encodes these 5-10x faster than the standard library. Its text differs only where no reader of it
 cares: non-ASCII characters are written as UTF-8 rather than escaped, and every reader (Lua's cjson,
 ``json.loads``) decodes both the same. What orjson refuses (an integer beyond 64 bits, a non-string key)
-is written by the standard library, as before. Signed canonical text is not written here: a signature
-must not depend on which encoder a process has.
+is written by the standard library, as before.
+
+:func:`canonical_bytes` is the text an envelope's signature covers (sorted keys, no spaces, UTF-8). A
+receiver verifies the bytes it was sent, so a signature depends only on the sender's text; the one place
+that computes the canonical text again from a parsed envelope (a message that came in another layout) uses
+this same function, so signing and that check always agree within a release.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from typing import Any
 
 import orjson
 
-__all__ = ["dumps"]
+__all__ = ["canonical_bytes", "dumps"]
 
 
 def dumps(value: Any, *, sort_keys: bool = False) -> str:
@@ -23,3 +27,12 @@ def dumps(value: Any, *, sort_keys: bool = False) -> str:
         return orjson.dumps(value, option=orjson.OPT_SORT_KEYS if sort_keys else 0).decode()
     except TypeError:  # orjson.JSONEncodeError is a TypeError
         return json.dumps(value, sort_keys=sort_keys, separators=(",", ":"))
+
+
+def canonical_bytes(value: Any) -> bytes:
+    """``value`` as sorted, compact UTF-8 JSON: orjson's text, or the standard library's for what orjson
+    refuses (chosen by the value alone, so the same value always gives the same bytes)."""
+    try:
+        return orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
+    except TypeError:
+        return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +19,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from orchestrator.errors import SagaError
+from orchestrator.jsontext import canonical_bytes
 from orchestrator.wire.kinds import Kind
 
 # Identity fields travel as AMQP properties and routing keys (short strings of at most 255 bytes) and
@@ -65,8 +65,7 @@ class EnvelopeRejected(SagaError):
 
 
 def canonical(envelope: Envelope) -> bytes:
-    data = envelope.model_dump(mode="json", exclude={"signature"})
-    return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+    return canonical_bytes(envelope.model_dump(mode="json", exclude={"signature"}))
 
 
 @dataclass(frozen=True)
@@ -123,7 +122,7 @@ def signed_message(signer: Signer, **fields: Any) -> bytes:
     data.pop("signature", None)
     if isinstance(data.get("kind"), Kind):
         data["kind"] = data["kind"].value
-    text = json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+    text = canonical_bytes(data)
     return _with_signature(text, signer.mac(signer.active, text))
 
 

@@ -503,8 +503,12 @@ class ShardService:
             outcome = delivery.outcome
             if outcome is not None and outcome.forward_to and delivery.envelope is not None:
                 try:
-                    await publisher.publish_envelope(
-                        delivery.envelope, self.options.names.runs_exchange, outcome.forward_to
+                    # the bytes as they came, not re-encoded: their signature covers exactly these
+                    await publisher.publish_bytes(
+                        delivery.body,
+                        delivery.envelope.message_id,
+                        self.options.names.runs_exchange,
+                        outcome.forward_to,
                     )
                     continue
                 except aiormq.exceptions.PublishError:

@@ -150,6 +150,52 @@ def test_fork_branch_failure_cancels_the_sibling_and_records_its_late_completion
     assert not any(e["kind"] == "join.released" for e in stack.history(run_id))
 
 
+def test_a_message_passed_on_to_its_runs_shard_arrives_as_its_sender_signed_it(
+    stack: Stack, client: SyncClient
+) -> None:
+    # Given a run whose technical metadata was cancelled while it was still working
+    stack.world.set_fault("pass-on-1", "semantic.analyse", fail=True)
+    stack.world.set_fault("pass-on-1", "metadata.extract", delay_ms=3000)
+    run_id = client.start("model-ingest", {"modelId": "pass-on-1"})
+    assert client.wait(run_id, timeout_s=30).state == "failed"
+    record = stack.record(run_id)
+    # When a straggler report that names no shard reaches another shard's queue, signed over text an
+    # earlier release wrote (the standard library writes 1e-05 where this release writes 0.00001)
+    task = ids.stage_task_id(run_id, "technical-metadata", record["s:technical-metadata:fence"], None, 1)
+    straggler = Envelope(
+        kind=Kind.RESULT,
+        message_id=ids.result_id(task),
+        run_id=run_id,
+        stage="technical-metadata",
+        attempt=1,
+        fence=record["s:technical-metadata:fence"],
+        digest=record["digest"],
+        key_id=stack.signer.active,
+        body={"ok": True, "result": {"faces": 1, "vertices": 1, "ratio": 1e-05}},
+    )
+    text = json.dumps(
+        straggler.model_dump(mode="json", exclude={"signature"}),
+        sort_keys=True,
+        separators=(",", ":"),
+        ensure_ascii=False,
+    ).encode()
+    mac = stack.signer.mac(stack.signer.active, text)
+    other = next(s for s in ("fast.0", "fast.1") if s != record["shard"])
+    stack.publish_raw(NAMES.runs_exchange, other, text[:-1] + b',"signature":"' + mac.encode() + b'"}')
+    # Then that shard passes it on as it came, and the run's own shard verifies it and records it late
+    late = poll(
+        lambda: [
+            e
+            for e in stack.history(run_id)
+            if e["kind"] == "callback.rejected" and e["detail"].get("reason") == "late"
+        ],
+        10,
+        what="the straggler passed on to the run's shard",
+    )
+    assert late[0]["stage"] == "technical-metadata"
+    assert "s:technical-metadata:result" not in stack.record(run_id)
+
+
 @pytest.mark.parametrize("width", [1000, 2500])
 def test_a_bag_joins_once_with_results_in_order(stack: Stack, client: SyncClient, width: int) -> None:
     """A bag of 1,000 items is sent at once; one of 2,500 a window of 1,000 at a time (two refills)."""

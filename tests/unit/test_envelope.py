@@ -305,3 +305,29 @@ def test_other_layouts_are_verified_over_the_canonical_text(signer: Signer) -> N
         json.loads(signed.model_dump_json()), indent=2
     ).encode()  # another layout, same fields
     assert decode(pretty, signer, MAX) == signed
+
+
+# ---- one canonical encoder, whatever the values ------------------------------------------------------
+
+ODD_VALUES = {"small": 1e-05, "huge": 2**70, "text": "é\u2028", "negative_zero": -0.0, "big": 1e16}
+
+
+def test_signing_from_a_model_and_from_fields_agree_on_values_the_encoders_write_differently(
+    signer: Signer,
+) -> None:
+    # 1e-05 is "1e-05" to the standard library and "0.00001" to orjson; 2**70 is beyond orjson
+    fields = envelope(body={"ok": True, "result": ODD_VALUES}).model_dump(exclude={"key_id", "signature"})
+    raw = signed_message(signer, **fields)
+    assert encode(signer.sign(envelope(body={"ok": True, "result": ODD_VALUES}))) == raw
+    assert decode(raw, signer, MAX).body["result"] == ODD_VALUES
+
+
+def test_a_message_an_earlier_release_signed_over_the_standard_librarys_text_still_verifies(
+    signer: Signer,
+) -> None:
+    data = envelope(body={"ok": True, "result": {"p": 1e-05}}).model_dump(mode="json", exclude={"signature"})
+    data["key_id"] = signer.active
+    text = json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+    assert b"1e-05" in text  # what orjson would have written differently
+    raw = text[:-1] + b',"signature":"' + signer.mac(signer.active, text).encode() + b'"}'
+    assert decode(raw, signer, MAX).body["result"] == {"p": 1e-05}
