@@ -8,6 +8,7 @@ messages every part builds, and the helpers for events that change nothing.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -238,12 +239,7 @@ class Builder:
 
     def release(self, barrier: str, fence: str) -> Outgoing:
         """The continuation a join or map barrier sends itself, once, when its last member arrives."""
-        return Outgoing(
-            ids.release_id(self.run.run_id, barrier, fence),
-            Kind.RELEASE,
-            ("shard", self.run.shard),
-            bodies.attempt(self.run.run_id, barrier, fence),
-        )
+        return _release(self.run.run_id, self.run.shard, barrier, fence)
 
     def window_of(self, rec: StageRecord) -> int:
         """How many items a chunked bag sends at once: its own window, kept when it was entered."""
@@ -312,3 +308,15 @@ def context_problems(plan: Plan, context: Mapping[str, Any]) -> list[str]:
         f"{'.'.join(str(p) for p in e.absolute_path) or 'context'}: {e.message}"
         for e in sorted(validator.iter_errors(dict(context)), key=lambda e: list(e.absolute_path))
     ]
+
+
+@functools.lru_cache(maxsize=256)
+def _release(run_id: str, shard: str, barrier: str, fence: str) -> Outgoing:
+    """A barrier's release message. Every arrival at a bag names it (the store appends it after the
+    last), so the same one is built once, not once per item (a hash per message id)."""
+    return Outgoing(
+        ids.release_id(run_id, barrier, fence),
+        Kind.RELEASE,
+        ("shard", shard),
+        bodies.attempt(run_id, barrier, fence),
+    )
