@@ -1,17 +1,22 @@
 """Where a model-ingest run's latency goes: per hop kind, per processing step, against the bare hop.
 
-    python bench/latency.py [--runs 20] [--pings 200] [--keep]
+    python bench/latency.py [--runs 20] [--pings 200] [--idle-ms 3] [--keep]
 
 Runs one orchestrator and one worker (no-op handlers, as ``bench/run.py``) with tracing on
 (``SAGA_TRACE_DIR``, ``orchestrator/trace.py``), the client in this process tracing too, and ``--runs``
 model-ingest runs one after another (after one warm-up run). Then, on the same broker and vhost, the
 bare hop: a persistent message published with a confirm to a quorum queue and delivered to a consumer on
-another connection, ``--pings`` times one after another. It prints JSON lines, as ``bench/run.py`` does:
+another connection, ``--pings`` times one after another, and again each after ``--idle-ms`` (3) of idle
+time; and a Redis round trip (a PING through redis-py) both ways. It prints JSON lines, as
+``bench/run.py`` does:
 
 - ``latency p50``: the runs' latency, from the client's publish of the start to the end of the
   transition that ended the run (its finaliser's result applied), on the machine's one clock;
 - ``hop p50`` per hop kind: ``start`` (client -> shard), ``task`` (shard -> worker), ``result``
-  (worker -> shard): from the sender's publish to the receiver's delivery; ``bare hop p50`` beside them;
+  (worker -> shard): from the sender's publish to the receiver's delivery; ``bare hop p50`` beside them,
+  and ``bare hop after idle p50`` (a run's hops follow idle time: on this kind of machine waking the
+  processes up costs a few tenths of a millisecond per hop), ``redis round trip p50`` and ``... after
+  idle p50`` (a transition's commit is one such round trip);
 - ``step p50`` per process and step: orchestrator ``inbox`` (delivered, waiting for its batch),
   ``decode`` (decode and verify), ``snapshot`` (the runs' read), ``engine``, ``lua`` (the transitions'
   call), ``local`` (barrier releases applied in-process), ``ack``, ``publish`` (publish and confirm),
@@ -48,6 +53,7 @@ from bench.run import Watcher, emit  # noqa: E402
 from bench.stack import BenchStack  # noqa: E402
 from orchestrator.bus.connect import connect_once  # noqa: E402
 from orchestrator.client import Client  # noqa: E402
+from orchestrator.store.connect import async_client  # noqa: E402
 from orchestrator.trace import TRACE  # noqa: E402
 
 CRITICAL_HOPS = 11
@@ -58,9 +64,11 @@ MS = 1e-6  # nanoseconds to milliseconds
 # ---- the bare hop ----------------------------------------------------------------------------------
 
 
-async def bare_hop(amqp_url: str, pings: int) -> tuple[list[float], list[float]]:
+async def bare_hop(amqp_url: str, pings: int, idle_ms: float = 0.0) -> tuple[list[float], list[float]]:
     """``pings`` persistent messages, one after another, published with a confirm to a quorum queue and
-    delivered to a consumer on another connection: (publish -> delivery, publish -> confirm) in ms."""
+    delivered to a consumer on another connection: (publish -> delivery, publish -> confirm) in ms.
+    ``idle_ms``: each publish follows that much idle time, as a run's hops follow one another (back to
+    back, the processes never sleep between hops; after a pause each wakes up first)."""
     sender, receiver = await connect_once(amqp_url), await connect_once(amqp_url)
     try:
         out = await sender.channel(publisher_confirms=True)
@@ -77,6 +85,8 @@ async def bare_hop(amqp_url: str, pings: int) -> tuple[list[float], list[float]]
         await queue.consume(on_message)
         hops, confirms = [], []
         for i in range(pings + 10):  # the first ten warm the path up
+            if idle_ms:
+                await asyncio.sleep(idle_ms / 1000)
             body = aio_pika.Message(b"x" * 600, delivery_mode=aio_pika.DeliveryMode.PERSISTENT)
             sent = time.time_ns()
             await out.default_exchange.publish(body, routing_key=queue.name)
@@ -90,6 +100,43 @@ async def bare_hop(amqp_url: str, pings: int) -> tuple[list[float], list[float]]
     finally:
         await sender.close()
         await receiver.close()
+
+
+async def redis_round_trips(redis_url: str, pings: int, idle_ms: float) -> list[float]:
+    """``pings`` PINGs through the orchestrator's Redis client, each after ``idle_ms`` of idle time (a
+    transition commits with one such round trip): their round trips in ms."""
+    client = async_client(redis_url)
+    try:
+        times = []
+        for i in range(pings + 10):
+            if idle_ms:
+                await asyncio.sleep(idle_ms / 1000)
+            started = time.perf_counter()
+            await client.ping()
+            if i >= 10:
+                times.append((time.perf_counter() - started) * 1000)
+        return times
+    finally:
+        await client.aclose()
+
+
+@dataclass
+class Floors:
+    """The transport's and Redis's own times, measured in the same sitting as the runs."""
+
+    hops: list[float]
+    confirms: list[float]
+    hops_after_idle: list[float]
+    redis: list[float]
+    redis_after_idle: list[float]
+
+
+async def floors(stack: BenchStack, pings: int, idle_ms: float) -> Floors:
+    hops, confirms = await bare_hop(stack.settings.amqp_url, pings)
+    idle_hops, _ = await bare_hop(stack.settings.amqp_url, pings, idle_ms)
+    redis = await redis_round_trips(stack.settings.redis_url, pings, 0.0)
+    redis_idle = await redis_round_trips(stack.settings.redis_url, pings, idle_ms)
+    return Floors(hops, confirms, idle_hops, redis, redis_idle)
 
 
 # ---- reading the traces ----------------------------------------------------------------------------
@@ -215,12 +262,17 @@ async def traced_runs(stack: BenchStack, count: int, timeout_s: float) -> list[s
         await watcher.close()
 
 
-def report(traces: Traces, runs: list[str], hops: list[float], confirms: list[float]) -> None:
-    bare = p50(hops)
+def report(traces: Traces, runs: list[str], measured: Floors, idle_ms: float) -> None:
+    bare = p50(measured.hops)
     spans = {run: run_latency(traces, run) for run in runs}
     latencies = {run: (end - start) * MS for run, found in spans.items() if found for start, end in [found]}
     emit("latency p50", p50(list(latencies.values())), "ms", runs=len(latencies))
-    emit("bare hop p50", bare, "ms", pings=len(hops), confirm_p50_ms=round(p50(confirms), 3))
+    emit(
+        "bare hop p50", bare, "ms", pings=len(measured.hops), confirm_p50_ms=round(p50(measured.confirms), 3)
+    )
+    emit("bare hop after idle p50", p50(measured.hops_after_idle), "ms", idle_ms=idle_ms)
+    emit("redis round trip p50", p50(measured.redis), "ms")
+    emit("redis round trip after idle p50", p50(measured.redis_after_idle), "ms", idle_ms=idle_ms)
     wanted = set(runs)
     for kind in HOP_KINDS:
         values = [
@@ -265,6 +317,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--runs", type=int, default=20, help="traced model-ingest runs, one after another")
     p.add_argument("--pings", type=int, default=200, help="bare hops measured")
+    p.add_argument(
+        "--idle-ms", type=float, default=3.0, help="idle time before each 'after idle' hop and round trip"
+    )
     p.add_argument("--shard-count", type=int, default=4, help="shards per class")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds a run may take")
     p.add_argument("--keep", action="store_true", help="keep the vhost, keys, logs and traces")
@@ -285,10 +340,10 @@ def main(argv: list[str] | None = None) -> int:
         TRACE.configure(None, "client")  # flushes the client's trace
         for name in list(stack.processes):
             stack.stop(name)  # they flush their traces on the way out
-        hops, confirms = asyncio.run(bare_hop(stack.settings.amqp_url, args.pings))
+        measured = asyncio.run(floors(stack, args.pings, args.idle_ms))
     finally:
         stack.teardown(keep=args.keep)
-    report(read_traces(folder), runs, hops, confirms)
+    report(read_traces(folder), runs, measured, args.idle_ms)
     print(f"traces in {folder}", file=sys.stderr)
     return 0
 
