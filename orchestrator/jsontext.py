@@ -7,9 +7,11 @@ cares: non-ASCII characters are written as UTF-8 rather than escaped, and every 
 is written by the standard library, as before.
 
 :func:`canonical_bytes` is the text an envelope's signature covers (sorted keys, no spaces, UTF-8). A
-receiver verifies the bytes it was sent, so a signature depends only on the sender's text; the one place
-that computes the canonical text again from a parsed envelope (a message that came in another layout) uses
-this same function, so signing and that check always agree within a release.
+receiver verifies the bytes it was sent, so a signature depends only on the sender's text, and nothing
+re-encodes a received message to send it on. Only a message that came in another layout is checked
+against the canonical text of its parsed fields, computed here too: that agrees with what its sender
+signed as long as the sender's values are plain JSON values (a value orjson refuses, such as a dict with
+non-string keys, makes the sender fall back to the standard library, and the parsed copy would not).
 """
 
 from __future__ import annotations

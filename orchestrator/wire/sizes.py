@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from orchestrator.jsontext import canonical_bytes
+
 DEFAULT_MAX_MESSAGE_BYTES = 1_048_576
 # What an envelope adds to its body: field names, the identity fields repeated outside the body (run id
 # up to 128 bytes, message id up to 200, stage label, fence, digest, contract, tenant and key id up to
@@ -57,17 +59,19 @@ DEFAULT_LIMITS = Limits()
 
 
 def body_bytes(body: Mapping[str, Any]) -> int:
-    """The UTF-8 size of ``body`` as the publisher serialises it (compact, non-ASCII kept as is)."""
-    return len(json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode())
+    """The UTF-8 size of ``body`` as the publisher serialises it (``jsontext.canonical_bytes``)."""
+    return len(canonical_bytes(body))
 
 
 def too_big(body: Mapping[str, Any], limits: Limits) -> str | None:
-    """Why ``body`` cannot be sent (None: it can): it is not JSON, or too large. NaN and infinities are
-    not JSON: a reader re-serialises them as null, so the signature over them no longer matches."""
+    """Why ``body`` cannot be sent (None: it can): it is not JSON, or too large once serialised as the
+    publisher does it. NaN and infinities are not JSON (the publisher's encoder would write them as null,
+    a value the sender never meant), so they are refused here by the standard library's strict check."""
     try:
-        size = len(json.dumps(body, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode())
+        json.dumps(body, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError) as exc:
         return f"it is not valid JSON ({exc})"
+    size = body_bytes(body)
     if size <= limits.max_body_bytes:
         return None
     return (

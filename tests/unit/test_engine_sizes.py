@@ -160,6 +160,17 @@ def test_a_result_too_large_to_send_is_reported_as_a_failure_that_says_so() -> N
     assert sizes.body_bytes(error) < sizes.MAX_ERROR_CHARS + 200
 
 
+def test_a_result_is_measured_as_the_publisher_writes_it() -> None:
+    # 1e-05 is 5 bytes to the standard library and 7 ("0.00001") to the publisher's encoder: a body
+    # measured the first way would fit here and reach its reader over the limit, refused unread
+    floats = [1e-05] * (LIMITS.max_body_bytes // 6 - 10)
+    assert len(json.dumps({"ok": True, "result": floats}, separators=(",", ":"))) <= LIMITS.max_body_bytes
+    sent = bodies.result(True, floats, LIMITS)
+    assert sent["ok"] is False and "over the" in sent["error"]
+    wire = signed_message(SIGNER, kind="result", message_id="m", run_id="r", body=sent)
+    assert len(wire) <= LIMITS.max_message_bytes
+
+
 def test_an_output_too_large_for_the_finished_event_is_left_out_of_it_not_lost() -> None:
     # the output repeats the model id (model id, and the catalogue id made from it): twice the context
     sim = run("model-ingest", {"modelId": "é" * 3800})
