@@ -11,8 +11,9 @@ or output does not fit the contract); the orchestrator alone decides whether ano
 result's message id is derived from the task's, so a redelivered task that runs again reports under the
 same id and the orchestrator sees a duplicate.
 
-Stages with deadlines ask for more (``report`` in the task): an acceptance when the handler starts and,
-with a heartbeat timeout, a heartbeat every third of it while the handler runs. Cancellation requests
+Stages with deadlines ask for more (``report`` in the task): an acceptance once the handler has run
+``ACCEPT_AFTER_S`` (one that returns sooner lets its result stand for it) and, with a heartbeat timeout,
+a heartbeat every third of it from then on while the handler runs. Cancellation requests
 arrive on ``saga.events`` (``cancel.<run>``, a private queue per worker process): the handler's asyncio
 task is cancelled (an async handler sees ``CancelledError`` at its next await; a thread-pool handler
 should poll ``context.cancelled``) and the result says it was cancelled.
@@ -216,8 +217,9 @@ class WorkerRuntime:
             consumers.append(listening)  # stopped last: the tasks still running hear cancellations
         except aiormq.exceptions.ChannelNotFoundEntity as exc:
             raise MissingTopology(
-                f"the broker has no {self.names.tasks_exchange} / {self.names.dead_letter_exchange} "
-                f"exchanges for namespace {self.names.namespace!r} ({exc.args[0] if exc.args else exc}): "
+                f"the broker has no {self.names.tasks_exchange} / {self.names.dead_letter_exchange} / "
+                f"{self.names.events_exchange} exchanges for namespace {self.names.namespace!r} "
+                f"({exc.args[0] if exc.args else exc}): "
                 "run 'saga topology apply' with the same SAGA_AMQP_URL and SAGA_NAMESPACE first"
             ) from exc
         except aiormq.exceptions.ChannelPreconditionFailed as exc:
@@ -442,34 +444,37 @@ class WorkerRuntime:
         self, publisher: Publisher, envelope: Envelope, pool: ThreadPoolExecutor, turn: Turn
     ) -> Outcome:
         task = TaskBody.of(envelope.body, envelope.message_id)
-        if task.accept:
-            accepted = ids.acceptance_id(envelope.run_id, envelope.stage or "", envelope.fence or "")
-            await self._report(publisher, envelope, Kind.ACCEPTED, accepted)
-        beating = self._heartbeats(publisher, envelope, task.heartbeat_ms)
+        reporting = self._liveness(publisher, envelope, task) if task.accept else None
         started = time.perf_counter()
         try:
             with TRACE.span("handler", [envelope.message_id]):
                 outcome = await self._execute(envelope, task, pool, turn)
         finally:
-            if beating is not None:
-                beating.cancel()
+            if reporting is not None:
+                reporting.cancel()  # a result in time says the attempt started: no acceptance needed
         ran_s = time.perf_counter() - started
         metrics.task_done(envelope.contract or "", ok=outcome.ok, cancelled=outcome.cancelled, seconds=ran_s)
         return outcome
 
-    def _heartbeats(
-        self, publisher: Publisher, envelope: Envelope, every_ms: int | None
-    ) -> asyncio.Task[None] | None:
-        if every_ms is None:
-            return None
+    def _liveness(self, publisher: Publisher, envelope: Envelope, task: TaskBody) -> asyncio.Task[None]:
+        """The attempt's acceptance, sent once its handler has run ``ACCEPT_AFTER_S``, then its heartbeats
+        (a third of the timeout apart), until the caller cancels it as the handler returns. A handler that
+        returns sooner sends no acceptance: its result stops the queue clock as the acceptance would have,
+        one message and one transition fewer. The clocks are checked every ``timer_poll_s`` (0.1 s), so
+        the acceptance's delay is within their precision."""
 
-        async def beat() -> None:
+        async def report() -> None:
+            await asyncio.sleep(ACCEPT_AFTER_S)
+            accepted = ids.acceptance_id(envelope.run_id, envelope.stage or "", envelope.fence or "")
+            await self._report(publisher, envelope, Kind.ACCEPTED, accepted)
+            if task.heartbeat_ms is None:
+                return
             for n in itertools.count(1):
-                await asyncio.sleep(every_ms / 3000)
+                await asyncio.sleep(task.heartbeat_ms / 3000)
                 beat = ids.heartbeat_id(envelope.run_id, envelope.stage or "", envelope.fence or "", n)
                 await self._report(publisher, envelope, Kind.HEARTBEAT, beat)
 
-        return asyncio.create_task(beat())
+        return asyncio.create_task(report())
 
     async def _report(self, publisher: Publisher, task: Envelope, kind: Kind, message_id: str) -> None:
         """Tell the run's shard about the attempt (acceptance, heartbeat). Best effort: a lost report
@@ -628,6 +633,10 @@ class _Settle:
         if self.acks is not None:
             self.acks.settled(self.message, already_settled=True)
 
+
+#: How long a handler runs before its attempt's acceptance is sent (a stage with a clock); a handler that
+#: returns sooner sends none, its result standing for it.
+ACCEPT_AFTER_S = 0.05
 
 #: How long a worker keeps trying a report the broker refuses or does not confirm before the task goes back.
 REPORT_PATIENCE_S = 8.0

@@ -152,16 +152,34 @@ def test_a_queue_deadline_fences_attempts_nobody_took_and_their_late_work_is_rec
     assert [(e["attempt"], e["clock"]) for e in timed_out] == [(1, "queue"), (2, "queue")]
     assert events(stack, run_id, "finaliser.completed")
     # a timeout does not pretend the work stopped: the worker, back, still takes both stale tasks, and
-    # their reports (two acceptances, two results; the last may instead acknowledge a cancel) change
-    # nothing
+    # their results (the last may instead acknowledge a cancel) change nothing; the handlers return
+    # within ACCEPT_AFTER_S, so their results stand for their acceptances
     reports = poll(
-        lambda: at_least(3, events(stack, run_id, "callback.rejected")),
+        lambda: at_least(2, events(stack, run_id, "callback.rejected")),
         30,
         what="the fenced attempts' late reports",
     )
     assert {e["reason"] for e in reports} <= {"late", "stale"}
     assert stack.record(run_id)["status"] == "failed"
     assert all(n == 1 for n in outcomes_per_attempt(stack, run_id).values())
+
+
+def test_a_quick_handler_lets_its_result_stand_for_its_acceptance_a_slower_one_reports_it(
+    stack: Stack, client: SyncClient
+) -> None:
+    name = probe(stack, "probe-acceptance", "execution_deadline_ms: 20000")
+    # A handler that returns well within ACCEPT_AFTER_S: its result alone, no acceptance message
+    quick = client.start(name, {"modelId": "accept-quick"})
+    assert client.wait(quick, timeout_s=30).state == "completed"
+    kinds = [e["kind"] for e in stack.history(quick)]
+    assert "stage.completed" in kinds and "stage.accepted" not in kinds, kinds
+    # A handler still running after it: accepted first (its execution clock set), then completed
+    stack.world.set_fault("accept-slow", "thumbnail.render", delay_ms=600)
+    slow = client.start(name, {"modelId": "accept-slow"})
+    assert client.wait(slow, timeout_s=30).state == "completed"
+    kinds = [e["kind"] for e in stack.history(slow) if e["stage"] == "render"]
+    assert kinds.index("stage.accepted") < kinds.index("stage.completed"), kinds
+    assert not events(stack, slow, "callback.rejected")
 
 
 def test_a_heartbeat_timeout_fences_a_stalled_attempt_and_the_retry_completes(
