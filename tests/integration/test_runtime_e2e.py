@@ -7,6 +7,7 @@ import json
 import signal
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import pytest
 
@@ -104,10 +105,7 @@ def test_fork_branch_failure_cancels_the_sibling_and_records_its_late_completion
     stack: Stack, client: SyncClient
 ) -> None:
     # Given semantic analysis fails at once while technical metadata is still working
-    stack.world.set_fault("fork-1", "semantic.analyse", fail=True)
-    stack.world.set_fault("fork-1", "metadata.extract", delay_ms=3000)
-    run_id = client.start("model-ingest", {"modelId": "fork-1"})
-    assert client.wait(run_id, timeout_s=30).state == "failed"
+    run_id = failed_while_metadata_works(stack, client, "fork-1")
     # Then cancellation of the active sibling was requested, and the worker stopped it and said so
     history = stack.history(run_id)
     requested = [e for e in history if e["kind"] == "cancellation.requested"]
@@ -121,28 +119,9 @@ def test_fork_branch_failure_cancels_the_sibling_and_records_its_late_completion
     # When a straggler completion of the cancelled attempt arrives anyway (the same task run again by
     # another worker, so under the same report id), it is recorded as late and changes nothing
     record = stack.record(run_id)
-    task = ids.stage_task_id(run_id, "technical-metadata", record["s:technical-metadata:fence"], None, 1)
-    straggler = Envelope(
-        kind=Kind.RESULT,
-        message_id=ids.result_id(task),
-        run_id=run_id,
-        shard=record["shard"],
-        stage="technical-metadata",
-        attempt=1,
-        fence=record["s:technical-metadata:fence"],
-        digest=record["digest"],
-        body={"ok": True, "result": {"faces": 1, "vertices": 1}},
-    )
+    straggler = metadata_straggler(record, run_id, {"faces": 1, "vertices": 1}, shard=record["shard"])
     stack.publish_envelope(straggler, NAMES.runs_exchange, record["shard"])
-    late = poll(
-        lambda: [
-            e
-            for e in stack.history(run_id)
-            if e["kind"] == "callback.rejected" and e["detail"].get("reason") == "late"
-        ],
-        10,
-        what="the late completion",
-    )
+    late = late_reports(stack, run_id, "the late completion")
     assert late[0]["stage"] == "technical-metadata"
     assert stack.record(run_id)["s:technical-metadata:status"] == "cancelled"
     assert stack.record(run_id)["s:technical-metadata:status"] == "cancelled"
@@ -154,25 +133,12 @@ def test_a_message_passed_on_to_its_runs_shard_arrives_as_its_sender_signed_it(
     stack: Stack, client: SyncClient
 ) -> None:
     # Given a run whose technical metadata was cancelled while it was still working
-    stack.world.set_fault("pass-on-1", "semantic.analyse", fail=True)
-    stack.world.set_fault("pass-on-1", "metadata.extract", delay_ms=3000)
-    run_id = client.start("model-ingest", {"modelId": "pass-on-1"})
-    assert client.wait(run_id, timeout_s=30).state == "failed"
+    run_id = failed_while_metadata_works(stack, client, "pass-on-1")
     record = stack.record(run_id)
     # When a straggler report that names no shard reaches another shard's queue, signed over text an
     # earlier release wrote (the standard library writes 1e-05 where this release writes 0.00001)
-    task = ids.stage_task_id(run_id, "technical-metadata", record["s:technical-metadata:fence"], None, 1)
-    straggler = Envelope(
-        kind=Kind.RESULT,
-        message_id=ids.result_id(task),
-        run_id=run_id,
-        stage="technical-metadata",
-        attempt=1,
-        fence=record["s:technical-metadata:fence"],
-        digest=record["digest"],
-        key_id=stack.signer.active,
-        body={"ok": True, "result": {"faces": 1, "vertices": 1, "ratio": 1e-05}},
-    )
+    result = {"faces": 1, "vertices": 1, "ratio": 1e-05}
+    straggler = metadata_straggler(record, run_id, result, key_id=stack.signer.active)
     text = json.dumps(
         straggler.model_dump(mode="json", exclude={"signature"}),
         sort_keys=True,
@@ -183,17 +149,52 @@ def test_a_message_passed_on_to_its_runs_shard_arrives_as_its_sender_signed_it(
     other = next(s for s in ("fast.0", "fast.1") if s != record["shard"])
     stack.publish_raw(NAMES.runs_exchange, other, text[:-1] + b',"signature":"' + mac.encode() + b'"}')
     # Then that shard passes it on as it came, and the run's own shard verifies it and records it late
-    late = poll(
+    late = late_reports(stack, run_id, "the straggler passed on to the run's shard")
+    assert late[0]["stage"] == "technical-metadata"
+    assert "s:technical-metadata:result" not in stack.record(run_id)
+
+
+def failed_while_metadata_works(stack: Stack, client: SyncClient, model_id: str) -> str:
+    """A model-ingest run whose semantic analysis fails at once while its technical metadata still
+    works (3 s): the run fails and the metadata attempt is cancelled. Returns the run's id."""
+    stack.world.set_fault(model_id, "semantic.analyse", fail=True)
+    stack.world.set_fault(model_id, "metadata.extract", delay_ms=3000)
+    run_id = client.start("model-ingest", {"modelId": model_id})
+    assert client.wait(run_id, timeout_s=30).state == "failed"
+    return run_id
+
+
+def metadata_straggler(
+    record: dict[str, str], run_id: str, result: dict[str, Any], **fields: str
+) -> Envelope:
+    """A report of the run's first technical-metadata attempt under its genuine id, as a worker running
+    that task again would send it."""
+    fence = record["s:technical-metadata:fence"]
+    task = ids.stage_task_id(run_id, "technical-metadata", fence, None, 1)
+    return Envelope(
+        kind=Kind.RESULT,
+        message_id=ids.result_id(task),
+        run_id=run_id,
+        stage="technical-metadata",
+        attempt=1,
+        fence=fence,
+        digest=record["digest"],
+        body={"ok": True, "result": result},
+        **fields,
+    )
+
+
+def late_reports(stack: Stack, run_id: str, what: str) -> list[dict[str, Any]]:
+    found: list[dict[str, Any]] = poll(
         lambda: [
             e
             for e in stack.history(run_id)
             if e["kind"] == "callback.rejected" and e["detail"].get("reason") == "late"
         ],
         10,
-        what="the straggler passed on to the run's shard",
+        what=what,
     )
-    assert late[0]["stage"] == "technical-metadata"
-    assert "s:technical-metadata:result" not in stack.record(run_id)
+    return found
 
 
 @pytest.mark.parametrize("width", [1000, 2500])
