@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import aio_pika
 import aiormq
-from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractRobustConnection
+from aio_pika.abc import AbstractChannel, AbstractRobustConnection
 from aiormq.exceptions import ChannelInvalidStateError
 from redis.exceptions import ClusterDownError, RedisClusterException, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -35,8 +35,10 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from orchestrator import faults, health, logs, metrics
 from orchestrator.bus import batch as containers
+from orchestrator.bus import inbound
 from orchestrator.bus.connect import untracked_channel
 from orchestrator.bus.envelope import Envelope, EnvelopeRejected, Signer, decode
+from orchestrator.bus.inbound import Delivered
 from orchestrator.bus.names import Names
 from orchestrator.bus.publisher import Publisher, envelope_for
 from orchestrator.reconcile import Reconciler
@@ -113,7 +115,7 @@ class ShardOptions:
     metrics_interval_s: float | None = None
 
 
-def _redeliveries(message: AbstractIncomingMessage) -> int:
+def _redeliveries(message: Delivered) -> int:
     """How often the broker delivered this message before (quorum queues count it in a header)."""
     count = (message.headers or {}).get("x-delivery-count", 0)
     return int(count) if isinstance(count, int | str) and str(count).isdigit() else 0
@@ -124,7 +126,7 @@ class _Delivery:
     """One message to handle: a delivery of its own, or one message of a container (``position`` set),
     several of which then share their AMQP ``message``."""
 
-    message: AbstractIncomingMessage
+    message: Delivered
     body: bytes  # what it came as: the message's body, or its payload in the container
     position: int | None = None  # its place in its container
     envelope: Envelope | None = None
@@ -142,7 +144,7 @@ class _Delivery:
         return f"{self.message.message_id or '?'}/{self.position}"
 
 
-def _opened(message: AbstractIncomingMessage, max_bytes: int) -> list[_Delivery]:
+def _opened(message: Delivered, max_bytes: int) -> list[_Delivery]:
     """The deliveries a message holds: itself, or each message of a container; a malformed container is
     one delivery, refused with the reason."""
     if not containers.is_container(message.headers):
@@ -163,7 +165,7 @@ class _TimersDue:
     members: list[str]
 
 
-_Inbox = asyncio.Queue[AbstractIncomingMessage | _TimersDue]
+_Inbox = asyncio.Queue[Delivered | _TimersDue]
 
 
 @dataclass
@@ -308,7 +310,8 @@ class ShardService:
         # Passive: a shard queue that is not there (retired, or no topology applied) is an error here.
         queue = await channel.declare_queue(self.options.names.shard_queue(shard), passive=True)
         inbox: _Inbox = asyncio.Queue()
-        tag = await queue.consume(_traced(inbox.put) if TRACE.enabled else inbox.put, no_ack=False)
+        put = _traced(inbox.put_nowait) if TRACE.enabled else inbox.put_nowait
+        consumer = await inbound.consume(channel, queue.name, put)
         metrics.shard_state(shard, active=False)  # until a delivery says this is the active consumer
         self._subscribed.add(shard)
         try:
@@ -342,12 +345,10 @@ class ShardService:
             self.processor.records.forget_shard(shard)  # served again later, it reads afresh
             metrics.shard_left(shard)
             with contextlib.suppress(Exception):
-                await queue.cancel(tag)
+                await consumer.cancel()
             await publisher.close()
 
-    async def _next(
-        self, inbox: _Inbox, timeout: float
-    ) -> tuple[list[AbstractIncomingMessage], _TimersDue | None]:
+    async def _next(self, inbox: _Inbox, timeout: float) -> tuple[list[Delivered], _TimersDue | None]:
         """The next batch of deliveries, and due timers if the poll found some; nothing after
         ``timeout`` seconds without either. A busy shard takes its batch without a timed wait."""
         if not inbox.empty():
@@ -357,9 +358,9 @@ class ShardService:
                 first = await asyncio.wait_for(inbox.get(), timeout=timeout)
             except TimeoutError:
                 return [], None
-        batch: list[AbstractIncomingMessage] = []
+        batch: list[Delivered] = []
         due: _TimersDue | None = None
-        item: AbstractIncomingMessage | _TimersDue | None = first
+        item: Delivered | _TimersDue | None = first
         while item is not None:
             if isinstance(item, _TimersDue):
                 due = item
@@ -372,7 +373,7 @@ class ShardService:
     async def _untracked_channel(self) -> AbstractChannel:
         return await untracked_channel(self.connection)
 
-    async def _process(self, shard: str, batch: list[AbstractIncomingMessage], publisher: Publisher) -> None:
+    async def _process(self, shard: str, batch: list[Delivered], publisher: Publisher) -> None:
         metrics.batch(shard, len(batch))
         faults.crash(self.options.crash_points, "after-consume")
         deliveries = self._decoded(batch)
@@ -396,7 +397,7 @@ class ShardService:
                 await asyncio.gather(*(self._run_group(shard, group) for group in groups.values()))
         await self._settle(shard, deliveries, publisher)
 
-    def _decoded(self, batch: list[AbstractIncomingMessage]) -> list[_Delivery]:
+    def _decoded(self, batch: list[Delivered]) -> list[_Delivery]:
         """The batch's deliveries (a container's messages each one of its own), each with its verified
         envelope or the reason it is refused."""
         deliveries: list[_Delivery] = []
@@ -545,7 +546,7 @@ class ShardService:
             else:
                 await message.nack(requeue=True)
 
-    async def _poisoned(self, shard: str, message: AbstractIncomingMessage, failed: list[_Delivery]) -> None:
+    async def _poisoned(self, shard: str, message: Delivered, failed: list[_Delivery]) -> None:
         """The transitions of ``failed`` (the messages ``message`` carries that failed) failed on every
         delivery: a bug or corrupt state, not bad input. Mark each one's run failed with the reason (it
         would wait forever otherwise) and dead-letter the message once, for a human; other runs of the
@@ -678,30 +679,28 @@ def _ids(deliveries: list[_Delivery]) -> list[str]:
     return [d.message_id or "" for d in deliveries]
 
 
-def _by_message(deliveries: list[_Delivery]) -> list[tuple[AbstractIncomingMessage, list[_Delivery]]]:
+def _by_message(deliveries: list[_Delivery]) -> list[tuple[Delivered, list[_Delivery]]]:
     """The deliveries grouped by the AMQP message they came in, in delivery order."""
-    groups: dict[int, tuple[AbstractIncomingMessage, list[_Delivery]]] = {}
+    groups: dict[int, tuple[Delivered, list[_Delivery]]] = {}
     for delivery in deliveries:
         groups.setdefault(id(delivery.message), (delivery.message, []))[1].append(delivery)
     return list(groups.values())
 
 
-def _traced(
-    put: Callable[[AbstractIncomingMessage], Awaitable[None]],
-) -> Callable[[AbstractIncomingMessage], Awaitable[None]]:
+def _traced(put: Callable[[Delivered], None]) -> Callable[[Delivered], None]:
     """``put``, first recording when each delivery arrived (tracing on), and each message of a
     container, so every message's hop is measured as if it had travelled alone."""
 
-    async def received(message: AbstractIncomingMessage) -> None:
+    def received(message: Delivered) -> None:
         TRACE.event("received", message.message_id or "")
         for message_id in _contained_ids(message):
             TRACE.event("received", message_id)
-        await put(message)
+        put(message)
 
     return received
 
 
-def _contained_ids(message: AbstractIncomingMessage) -> list[str]:
+def _contained_ids(message: Delivered) -> list[str]:
     """The message ids inside a container, as well as can be read (tracing only: nothing is verified)."""
     if not containers.is_container(message.headers):
         return []
