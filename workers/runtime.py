@@ -11,9 +11,10 @@ or output does not fit the contract); the orchestrator alone decides whether ano
 result's message id is derived from the task's, so a redelivered task that runs again reports under the
 same id and the orchestrator sees a duplicate.
 
-Stages with deadlines ask for more (``report`` in the task): an acceptance once the handler has run
-``ACCEPT_AFTER_S`` (one that returns sooner lets its result stand for it) and, with a heartbeat timeout,
-a heartbeat every third of it from then on while the handler runs. Cancellation requests
+Stages with deadlines ask for more (``report`` in the task): an acceptance when the handler starts (where
+no queue clock runs, once it has run the task's ``accept_after_ms``: one that returns sooner lets its
+result stand for it) and, with a heartbeat timeout, a heartbeat every third of it from then on while the
+handler runs. Cancellation requests
 arrive on ``saga.events`` (``cancel.<run>``, a private queue per worker process): the handler's asyncio
 task is cancelled (an async handler sees ``CancelledError`` at its next await; a thread-pool handler
 should poll ``context.cancelled``) and the result says it was cancelled.
@@ -457,14 +458,14 @@ class WorkerRuntime:
         return outcome
 
     def _liveness(self, publisher: Publisher, envelope: Envelope, task: TaskBody) -> asyncio.Task[None]:
-        """The attempt's acceptance, sent once its handler has run ``ACCEPT_AFTER_S``, then its heartbeats
-        (a third of the timeout apart), until the caller cancels it as the handler returns. A handler that
-        returns sooner sends no acceptance: its result stops the queue clock as the acceptance would have,
-        one message and one transition fewer. The clocks are checked every ``timer_poll_s`` (0.1 s), so
-        the acceptance's delay is within their precision."""
+        """The attempt's acceptance, sent once its handler has run the task's ``accept_after_ms`` (the
+        orchestrator asks for a wait only where no queue clock runs), then its heartbeats (a third of
+        the timeout apart), until the caller cancels it as the handler returns. A handler that returns
+        sooner sends no acceptance: its result stands for it, one message and one transition fewer."""
 
         async def report() -> None:
-            await asyncio.sleep(ACCEPT_AFTER_S)
+            if task.accept_after_ms:
+                await asyncio.sleep(task.accept_after_ms / 1000)
             accepted = ids.acceptance_id(envelope.run_id, envelope.stage or "", envelope.fence or "")
             await self._report(publisher, envelope, Kind.ACCEPTED, accepted)
             if task.heartbeat_ms is None:
@@ -564,7 +565,7 @@ class WorkerRuntime:
     ) -> Any:
         """Run the handler as its own task, so a cancellation request can stop it (and only it)."""
         key = (envelope.run_id, context.stage, context.fence)
-        if key in self._cancelled:  # asked while its acceptance was on its way
+        if key in self._cancelled:  # asked while the task waited for its turn
             raise _Cancelled
         future = _start(handler, payload, context, pool, turn.finished)
         turn.handed_over = True  # the handler gives the turn back when it returns
@@ -633,10 +634,6 @@ class _Settle:
         if self.acks is not None:
             self.acks.settled(self.message, already_settled=True)
 
-
-#: How long a handler runs before its attempt's acceptance is sent (a stage with a clock); a handler that
-#: returns sooner sends none, its result standing for it.
-ACCEPT_AFTER_S = 0.05
 
 #: How long a worker keeps trying a report the broker refuses or does not confirm before the task goes back.
 REPORT_PATIENCE_S = 8.0

@@ -16,6 +16,7 @@ from typing import Any
 
 import aiormq.abc
 from aio_pika.abc import AbstractChannel
+from aiormq.exceptions import ChannelInvalidStateError
 
 
 @dataclass(slots=True)
@@ -39,13 +40,21 @@ class Delivered:
             message.channel,
         )
 
+    def open_channel(self) -> aiormq.abc.AbstractChannel:
+        """The channel to settle this delivery on. A delivery tag means something only on the channel it
+        came on: once that closed, its number may already belong to a new channel, which must not get
+        the ack, and a frame on a closed channel would close the whole connection. Raises then."""
+        if self.channel.is_closed:
+            raise ChannelInvalidStateError(f"delivery {self.message_id}: its channel closed")
+        return self.channel
+
     async def ack(self) -> None:
         if self.delivery_tag is not None:
-            await self.channel.basic_ack(self.delivery_tag)
+            await self.open_channel().basic_ack(self.delivery_tag)
 
     async def nack(self, requeue: bool = True) -> None:
         if self.delivery_tag is not None:
-            await self.channel.basic_nack(self.delivery_tag, requeue=requeue)
+            await self.open_channel().basic_nack(self.delivery_tag, requeue=requeue)
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,11 @@ def dumps(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"), sort_keys=True)
 
 
+#: How long a worker may wait before reporting the acceptance of an attempt whose stage has no queue
+#: deadline: one whose handler returns sooner sends no acceptance, one message and one transition fewer.
+ACCEPT_AFTER_MS = 50
+
+
 @dataclass
 class Builder:
     """One transition under construction."""
@@ -180,10 +185,14 @@ class Builder:
     def stage_task(
         self, name: str, stage: Work, attempt: int, fence: str, payload: Any, item: int | None
     ) -> Outgoing:
-        report = None
+        report: dict[str, Any] | None = None
         if item is None and stage.needs_acceptance:
             # the worker reports acceptance, and heartbeats at a third of the timeout
             report = {"accept": True, "heartbeat_ms": stage.heartbeat_timeout_ms}
+            if stage.queue_deadline_ms is None:
+                # no queue clock to stop: a handler that returns within this lets its result stand for
+                # its acceptance (the execution and heartbeat clocks start at most this much later)
+                report["accept_after_ms"] = ACCEPT_AFTER_MS
         id_part = ids.item_part(item, attempt)
         return self.task(
             name,

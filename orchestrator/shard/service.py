@@ -3,7 +3,11 @@
 Per shard, one channel (acks with ``multiple=True`` are per channel) and one loop:
 
     take a batch of deliveries ▸ decode + verify ▸ per run, in order: engine ▸ Lua apply
-    ▸ publish what the transitions caused (confirms) ▸ mark confirmed entries sent ▸ ack the batch
+    ▸ ack the batch (every transition committed, what it causes is in the outbox) ▸ publish what the
+    transitions caused (confirms) ▸ mark confirmed entries sent
+
+The ack leaves in the same socket write as the publishes. A batch that passes messages on or refuses
+them (neither is in the outbox) is acked only once those are confirmed.
 
 A delivery may be a container of several messages (a worker's reports of one loop turn,
 ``bus/batch.py``): it is opened into one delivery per message, each decoded, verified, applied, passed on
@@ -533,7 +537,7 @@ class ShardService:
             if last.delivery_tag is not None:
                 # queued, not waited for: it leaves in the same socket write as the publishes that follow
                 # (aio-pika's ack waits for its own write and drain first)
-                await last.channel.basic_ack(delivery_tag=last.delivery_tag, multiple=True, wait=False)
+                await last.open_channel().basic_ack(delivery_tag=last.delivery_tag, multiple=True, wait=False)
             return
         # Settled once per AMQP message (twice would be a channel error): a container goes back whole if
         # any of its messages failed; those that committed come back as recognised duplicates.

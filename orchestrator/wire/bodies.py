@@ -46,25 +46,38 @@ def start(definition: str, digest: str, context: Mapping[str, Any]) -> dict[str,
 @dataclass(frozen=True)
 class TaskBody:
     """What a task asks of a worker beyond its envelope's identity: the input, the idempotency key, and
-    what to report while it runs (``accept``: report the attempt's start; ``heartbeat_ms``: beat)."""
+    what to report while it runs (``accept``: report the attempt's start, once its handler has run
+    ``accept_after_ms``, none if it returns sooner; ``heartbeat_ms``: beat)."""
 
     input: Any
     idempotency_key: str
     accept: bool = False
     heartbeat_ms: int | None = None
+    accept_after_ms: int = 0
 
     @classmethod
     def of(cls, body: Mapping[str, Any], message_id: str) -> TaskBody:
         """A task's body as the worker reads it (the orchestrator wrote it: a key it lacks takes its
         default, the task's id standing in for the idempotency key)."""
         report = body.get("report") or {}
-        beat = report.get("heartbeat_ms")
+        beat = _positive(report.get("heartbeat_ms"))
+        after = _positive(report.get("accept_after_ms"))
         return cls(
             body.get("input"),
             str(body.get("idempotency_key", message_id)),
             report.get("accept") is True,
-            beat if isinstance(beat, int) and not isinstance(beat, bool) and beat > 0 else None,
+            beat,
+            min(after, MAX_ACCEPT_AFTER_MS) if after is not None else 0,
         )
+
+
+#: The longest wait for an acceptance a worker honours, whatever a task asks.
+MAX_ACCEPT_AFTER_MS = 1_000
+
+
+def _positive(value: Any) -> int | None:
+    """``value`` if it is a positive integer (not a bool), else None."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def task(

@@ -69,9 +69,9 @@ def too_big(body: Mapping[str, Any], limits: Limits) -> str | None:
     a value the sender never meant), so they are refused here by the standard library's strict check."""
     try:
         json.dumps(body, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+        size = body_bytes(body)  # a lone surrogate passes json.dumps but has no UTF-8 form
     except (TypeError, ValueError) as exc:
         return f"it is not valid JSON ({exc})"
-    size = body_bytes(body)
     if size <= limits.max_body_bytes:
         return None
     return (

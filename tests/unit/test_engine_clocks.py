@@ -195,3 +195,26 @@ def test_timer_members_round_trip(run_id: str, clock: Clock, stage: str, fence: 
     if "|" in stage or "|" in fence:
         return  # stage names and fences never hold the separator (the compiler's name rules)
     assert parsed == (run_id, clock, stage, fence)
+
+
+# ---- an acceptance that may wait ---------------------------------------------------------------------
+
+
+def test_only_a_stage_without_a_queue_clock_lets_its_acceptance_wait() -> None:
+    report = probe("execution_deadline_ms: 1000").pending[0].task.body["report"]  # type: ignore[union-attr]
+    assert report == {"accept": True, "heartbeat_ms": None, "accept_after_ms": 50}
+    timed = probe("execution_deadline_ms: 1000", "queue_deadline_ms: 1000").pending[0].task
+    assert timed is not None  # its queue clock stops when the handler starts: no wait
+    assert "accept_after_ms" not in timed.body["report"]
+
+
+def test_a_result_without_an_acceptance_completes_the_attempt_and_clears_every_clock() -> None:
+    sim = probe("execution_deadline_ms: 1000", "heartbeat_timeout_ms: 900")
+    delivery = sim.pending.pop(0)
+    assert delivery.task is not None
+    handled = sim.handle(sim.work(delivery.task))  # the handler returned before its acceptance was due
+    assert handled.verdict is Verdict.APPLIED
+    assert sim.entries("stage.completed", "render") and not sim.entries("stage.accepted")
+    assert not [m for m in sim.store.timers if "render" in m]
+    sim.run()
+    assert sim.status == "completed"

@@ -165,10 +165,18 @@ def test_a_result_is_measured_as_the_publisher_writes_it() -> None:
     # measured the first way would fit here and reach its reader over the limit, refused unread
     floats = [1e-05] * (LIMITS.max_body_bytes // 6 - 10)
     assert len(json.dumps({"ok": True, "result": floats}, separators=(",", ":"))) <= LIMITS.max_body_bytes
+    wire = signed_message(
+        SIGNER, kind="result", message_id="m", run_id="r", body={"ok": True, "result": floats}
+    )
+    assert len(wire) > LIMITS.max_message_bytes  # as it would have been sent
     sent = bodies.result(True, floats, LIMITS)
     assert sent["ok"] is False and "over the" in sent["error"]
-    wire = signed_message(SIGNER, kind="result", message_id="m", run_id="r", body=sent)
-    assert len(wire) <= LIMITS.max_message_bytes
+
+
+def test_a_text_without_a_utf8_form_is_refused_as_not_json() -> None:
+    # a lone surrogate (what surrogateescape leaves of undecodable bytes) passes json.dumps alone
+    sent = bodies.result(True, {"name": "\ud800"}, LIMITS)
+    assert sent["ok"] is False and "not valid JSON" in sent["error"]
 
 
 def test_an_output_too_large_for_the_finished_event_is_left_out_of_it_not_lost() -> None:
