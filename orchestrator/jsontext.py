@@ -25,16 +25,17 @@ __all__ = ["canonical_bytes", "dumps"]
 
 
 def dumps(value: Any, *, sort_keys: bool = False) -> str:
-    try:
-        return orjson.dumps(value, option=orjson.OPT_SORT_KEYS if sort_keys else 0).decode()
-    except TypeError:  # orjson.JSONEncodeError is a TypeError
-        return json.dumps(value, sort_keys=sort_keys, separators=(",", ":"))
+    return _encoded(value, sort_keys=sort_keys).decode()
 
 
 def canonical_bytes(value: Any) -> bytes:
     """``value`` as sorted, compact UTF-8 JSON: orjson's text, or the standard library's for what orjson
     refuses (chosen by the value alone, so the same value always gives the same bytes)."""
+    return _encoded(value, sort_keys=True)
+
+
+def _encoded(value: Any, *, sort_keys: bool) -> bytes:
     try:
-        return orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
-    except TypeError:
-        return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+        return orjson.dumps(value, option=orjson.OPT_SORT_KEYS if sort_keys else 0)
+    except TypeError:  # orjson.JSONEncodeError is a TypeError
+        return json.dumps(value, sort_keys=sort_keys, separators=(",", ":"), ensure_ascii=False).encode()

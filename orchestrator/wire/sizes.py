@@ -68,10 +68,12 @@ def too_big(body: Mapping[str, Any], limits: Limits) -> str | None:
     publisher does it. NaN and infinities are not JSON (the publisher's encoder would write them as null,
     a value the sender never meant), so they are refused here by the standard library's strict check."""
     try:
-        json.dumps(body, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-        size = body_bytes(body)  # a lone surrogate passes json.dumps but has no UTF-8 form
+        text = canonical_bytes(body)  # a lone surrogate has no UTF-8 form: a ValueError here
+        if b"null" in text:  # NaN and infinities come out as null: only then is the strict check needed
+            json.dumps(body, allow_nan=False)
     except (TypeError, ValueError) as exc:
         return f"it is not valid JSON ({exc})"
+    size = len(text)
     if size <= limits.max_body_bytes:
         return None
     return (
