@@ -21,6 +21,7 @@ from orchestrator.compiler import compile_text
 from orchestrator.provision import publish_plans
 from orchestrator.store.keys import ShardKeys
 from orchestrator.wire import ids
+from tests.faults.invariants import assert_no_violations, check_runs
 from tests.integration.stack import REGISTRY, Stack, poll, running
 from workers.demo.effects import demo_key
 
@@ -182,6 +183,8 @@ def test_a_quick_handler_lets_its_result_stand_for_its_acceptance_a_slower_one_r
     kinds = [e["kind"] for e in history(stack, slow) if e["stage"] == "render"]
     assert kinds.index("stage.accepted") < kinds.index("stage.completed"), kinds
     assert not events(stack, slow, "callback.rejected")
+    every = [*quick, slow]
+    assert_no_violations(check_runs(stack.redis, stack.prefix, every), "the shared invariants")
 
 
 def test_a_heartbeat_timeout_fences_a_stalled_attempt_and_the_retry_completes(

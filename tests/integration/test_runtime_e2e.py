@@ -18,6 +18,7 @@ from orchestrator.compiler import compile_text
 from orchestrator.provision import publish_plans
 from orchestrator.wire import ids
 from orchestrator.wire.kinds import Kind
+from tests.faults.invariants import assert_no_violations, check_runs
 from tests.integration.stack import REGISTRY, ROOT, Stack, poll, running
 
 NAMES = Names()  # the stack runs in the default namespace, on a vhost of its own
@@ -152,6 +153,9 @@ def test_a_message_passed_on_to_its_runs_shard_arrives_as_its_sender_signed_it(
     late = late_reports(stack, run_id, "the straggler passed on to the run's shard")
     assert late[0]["stage"] == "technical-metadata"
     assert "s:technical-metadata:result" not in stack.record(run_id)
+    assert_no_violations(
+        check_runs(stack.redis, stack.prefix, [run_id], expect_state="failed"), "the shared invariants"
+    )
 
 
 def failed_while_metadata_works(stack: Stack, client: SyncClient, model_id: str) -> str:
