@@ -361,7 +361,7 @@ def git_state() -> dict[str, Any]:
 
     def git(*args: str) -> str:
         done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=False)
-        return done.stdout.strip()
+        return done.stdout.rstrip("\n")  # not strip(): a status line may start with a space
 
     changed = git("status", "--porcelain", "--", "orchestrator", "workers", "definitions").splitlines()
     return {"commit": git("rev-parse", "--short", "HEAD"), "changed": [line[3:] for line in changed]}

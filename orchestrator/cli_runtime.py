@@ -574,6 +574,7 @@ def reconcile(dry_run: bool, min_age_s: float, stranded_after_s: float, as_json:
                     lambda: untracked_channel(connection),
                     settings.quorum_group_size,
                     renew_with=lambda: untracked_channel(connection),
+                    max_message_bytes=settings.max_message_bytes,
                 ),
                 min_age_ms=int(min_age_s * 1000),
                 stranded_after_ms=int(stranded_after_s * 1000),

@@ -100,6 +100,12 @@ SHARD_CONTAINERS = Histogram(
     "Messages per container a shard received (a worker's reports of one event-loop turn, in one message).",
     buckets=_CONTAINER,
 )
+WORKER_TASK_CONTAINERS = Histogram(
+    "saga_worker_container_tasks",
+    "Tasks per container a worker received (a map's items_per_message packs a bag's item tasks); a task "
+    "sent alone is not counted.",
+    buckets=_CONTAINER,
+)
 WORKER_CONTAINERS = Histogram(
     "saga_worker_container_reports",
     "Reports per container a worker published and had confirmed (those of one event-loop turn for one "
@@ -253,6 +259,11 @@ def task_done(contract: str, *, ok: bool, cancelled: bool, seconds: float | None
     WORKER_TASKS.labels(contract, outcome).inc()
     if seconds is not None:
         HANDLER_SECONDS.labels(contract).observe(seconds)
+
+
+def tasks_packed(size: int) -> None:
+    """A worker received a container of ``size`` tasks (a bag's items packed by the orchestrator)."""
+    WORKER_TASK_CONTAINERS.observe(size)
 
 
 def reports_batched(size: int) -> None:

@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiormq
+import orjson
 from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractRobustConnection
 from pydantic import BaseModel, ValidationError
 
@@ -321,11 +322,16 @@ class WorkerRuntime:
         TRACE.event("received", message.message_id or "")
         if acks is not None:
             acks.delivered(message)
-        task = asyncio.create_task(self._handle(message, publisher, pool, _Settle(message, acks), serial))
+        settle = _Settle(message, acks)
+        if batch.is_container(message.headers):
+            handling = self._open(message, publisher, pool, settle, serial)
+        else:
+            handling = self._handle(_Task(message, message.body), publisher, pool, settle, serial)
+        task = asyncio.create_task(handling)
         self._inflight.add(task)
         task.add_done_callback(self._inflight.discard)
 
-    async def _handle(
+    async def _open(
         self,
         message: AbstractIncomingMessage,
         publisher: Publisher,
@@ -333,9 +339,80 @@ class WorkerRuntime:
         settle: _Settle,
         serial: bool,
     ) -> None:
+        """Handle a container of tasks (a bag's items packed by the orchestrator, ``bus/batch.py``): each
+        task on its own, the delivery settled once every one of them is. One delivered again is sent
+        back to its queue a task per message instead: a task that fails every delivery (it kills its
+        worker, say) then reaches the queue's delivery limit alone, not with the tasks beside it."""
         try:
-            with TRACE.span("decode", [message.message_id or ""]):
-                envelope = decode(message.body, self.signer, self.max_message_bytes)
+            payloads = batch.unpack(message.body, message.headers or {}, self.max_message_bytes)
+        except EnvelopeRejected as exc:
+            await self._refuse(publisher, _Task(message, message.body), exc, settle)
+            return
+        metrics.tasks_packed(len(payloads))
+        if message.redelivered:
+            await self._split(publisher, message, payloads, settle)
+            return
+        together = _Together(settle, len(payloads))
+        await asyncio.gather(
+            *(self._handle(_Task(message, p), publisher, pool, together, serial) for p in payloads)
+        )
+
+    async def _split(
+        self,
+        publisher: Publisher,
+        message: AbstractIncomingMessage,
+        payloads: list[bytes],
+        settle: _Settle,
+    ) -> None:
+        """Re-send a container's tasks one per message (confirmed) to the queue it came from, then settle
+        it; any that could not be sent make the whole container go back (those sent are duplicates,
+        recognised by their ids)."""
+        try:
+            await asyncio.gather(
+                *(
+                    publisher.publish_bytes(p, _task_id(p), message.exchange or "", message.routing_key or "")
+                    for p in payloads
+                )
+            )
+        except Exception as exc:
+            log.warning(
+                "could not split container %s: %s; it goes back to the queue", message.message_id, exc
+            )
+            await settle.requeue()
+            return
+        log.info(
+            "container %s came back: its %d tasks were re-sent one per message",
+            message.message_id,
+            len(payloads),
+        )
+        await settle.ack()
+
+    async def _refuse(
+        self, publisher: Publisher, task: _Task, exc: EnvelopeRejected, settle: _Settle | _Together
+    ) -> None:
+        """Park a task (or container) that failed verification on the rejected queue, then settle it."""
+        message_id = task.message_id or _task_id(task.body) or None
+        source = task.message.routing_key or ""  # task queues are bound under their own names
+        try:
+            await publisher.reject(task.body, exc.reason, exc.detail, source, message_id)
+        except Exception as trouble:  # not parked: it goes back, to be refused again
+            log.warning("could not park refused task %s: %s", message_id, trouble)
+            await settle.requeue()
+            return
+        await settle.ack()
+
+    async def _handle(
+        self,
+        delivered: _Task,
+        publisher: Publisher,
+        pool: ThreadPoolExecutor,
+        settle: _Settle | _Together,
+        serial: bool,
+    ) -> None:
+        message = delivered.message
+        try:
+            with TRACE.span("decode", [delivered.message_id]):
+                envelope = decode(delivered.body, self.signer, self.max_message_bytes)
             TRACE.decoded(envelope)
             if envelope.contract not in self.handlers:
                 # only a copy put on the wrong contract queue by hand can get here (routing is by contract)
@@ -345,17 +422,10 @@ class WorkerRuntime:
                     "for it: tasks reach only the queue of their own contract version",
                 )
         except EnvelopeRejected as exc:
-            source = message.routing_key or ""  # task queues are bound under their own names
-            try:
-                await publisher.reject(message.body, exc.reason, exc.detail, source, message.message_id)
-            except Exception as trouble:  # not parked: it goes back, to be refused again
-                log.warning("could not park refused task %s: %s", message.message_id, trouble)
-                await settle.requeue()
-                return
-            await settle.ack()
+            await self._refuse(publisher, delivered, exc, settle)
             return
         logs.bind(**logs.envelope_ids(envelope))  # a task of its own: everything it logs is about this task
-        turn = await self._wait_turn(envelope, serial, message)
+        turn = await self._wait_turn(envelope, serial, delivered)
         if turn is None:  # the worker is stopping: the task goes back for another worker
             await settle.requeue()
             return
@@ -375,7 +445,7 @@ class WorkerRuntime:
         await self._report_result(publisher, envelope, outcome, settle)
 
     async def _report_result(
-        self, publisher: Publisher, envelope: Envelope, outcome: Outcome, settle: _Settle
+        self, publisher: Publisher, envelope: Envelope, outcome: Outcome, settle: _Settle | _Together
     ) -> None:
         """Send the attempt's result to its run's shard; settle the task once the result is safe."""
         result = self._result(envelope, outcome)
@@ -406,9 +476,7 @@ class WorkerRuntime:
         with TRACE.span("ack", [envelope.message_id]):
             await settle.ack()  # the result is confirmed: the task may be acked
 
-    async def _wait_turn(
-        self, envelope: Envelope, serial: bool, message: AbstractIncomingMessage
-    ) -> Turn | None:
+    async def _wait_turn(self, envelope: Envelope, serial: bool, delivered: _Task) -> Turn | None:
         """Wait until this task may start: a free slot, and for a serial task the serial lane too. None
         when the worker gives its deliveries back first; a turn marked ``cancelled`` when the attempt was
         cancelled first."""
@@ -417,7 +485,7 @@ class WorkerRuntime:
         key = (envelope.run_id, envelope.stage or "", envelope.fence or "")
         give_up = asyncio.Event()
         waiting = self._waiting.setdefault(key, {})
-        waiting[id(message)] = give_up
+        waiting[id(delivered)] = give_up
         try:
             if serial:
                 return await self._wait_for_lane(envelope, give_up)
@@ -427,7 +495,7 @@ class WorkerRuntime:
                 return None
             return Turn(self, None, True, cancelled=key in self._cancelled)
         finally:
-            waiting.pop(id(message), None)
+            waiting.pop(id(delivered), None)
             if not waiting:
                 self._waiting.pop(key, None)
 
@@ -633,6 +701,52 @@ class _Settle:
             await self.message.nack(requeue=True)
         if self.acks is not None:
             self.acks.settled(self.message, already_settled=True)
+
+
+@dataclass
+class _Together:
+    """The settling of a container's tasks: its delivery is acked once every task is settled, or given
+    back if any of them had to be (the others then run again, and report as duplicates)."""
+
+    settle: _Settle
+    left: int
+    again: bool = False
+
+    async def ack(self) -> None:
+        await self._one_more()
+
+    async def requeue(self) -> None:
+        self.again = True
+        await self._one_more()
+
+    async def _one_more(self) -> None:
+        self.left -= 1
+        if self.left == 0:
+            await (self.settle.requeue() if self.again else self.settle.ack())
+
+
+@dataclass(frozen=True, eq=False)
+class _Task:
+    """One task as it came: a delivery of its own, or one of a container's (which share the delivery)."""
+
+    message: AbstractIncomingMessage
+    body: bytes
+
+    @property
+    def message_id(self) -> str:
+        """Its AMQP message id; a packed task's is in its envelope (read only when tracing)."""
+        if self.body is self.message.body:
+            return self.message.message_id or ""
+        return _task_id(self.body) if TRACE.enabled else ""
+
+
+def _task_id(payload: bytes) -> str:
+    """A packed task's message id, read from its envelope (verified later, when it is decoded)."""
+    with contextlib.suppress(Exception):
+        value = orjson.loads(payload).get("message_id")
+        if isinstance(value, str):
+            return value
+    return ""
 
 
 #: How long a worker keeps trying a report the broker refuses or does not confirm before the task goes back.

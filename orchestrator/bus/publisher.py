@@ -21,10 +21,12 @@ from pamqp import commands as spec
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, stop_after_delay, wait_exponential
 
 from orchestrator import metrics
+from orchestrator.bus import batch
 from orchestrator.bus.envelope import Envelope, Signer, encode, signed_message
 from orchestrator.bus.names import Names
 from orchestrator.bus.topology import TaskQueueLayout, declare_task_queue
 from orchestrator.trace import TRACE
+from orchestrator.wire import bodies
 from orchestrator.wire.outgoing import Outgoing
 
 log = logging.getLogger(__name__)
@@ -63,6 +65,25 @@ def outgoing_from_payload(payload: Mapping[str, Any]) -> Outgoing:
     """Rebuild an outbox entry (as stored by the transition) for the relay."""
     route = payload["route"]
     return Outgoing(payload["id"], payload["kind"], (route[0], route[1]), payload["body"])
+
+
+class _Pack:
+    """Item tasks for one contract queue that travel in one message, each signed on its own."""
+
+    def __init__(self, queue: str, contract: str) -> None:
+        self.queue = queue
+        self.contract = contract
+        self.messages: list[Outgoing] = []
+        self.payloads: list[bytes] = []
+        self.size = 0
+
+    def takes(self, payload: bytes, per_message: int, max_bytes: int) -> bool:
+        return len(self.messages) < per_message and self.size + batch.framed_bytes(len(payload)) <= max_bytes
+
+    def add(self, message: Outgoing, payload: bytes) -> None:
+        self.messages.append(message)
+        self.payloads.append(payload)
+        self.size += batch.framed_bytes(len(payload))
 
 
 PUBLISH_ATTEMPTS = 3
@@ -125,6 +146,7 @@ class Publisher:
         group_size: int | None = None,
         renew_with: Callable[[], Awaitable[AbstractChannel]] | None = None,
         patience_s: float = 0.0,
+        max_message_bytes: int = 1_048_576,
     ) -> None:
         """``declare_on`` opens a channel for declaring contract queues: the broker closes a channel whose
         declaration it refuses, which must not be the one a shard consumes and publishes on.
@@ -132,8 +154,10 @@ class Publisher:
         :meth:`_renew`), and again when that channel has closed; without it, publishing stays on
         ``channel``. ``patience_s``: how long :meth:`publish_bytes` keeps retrying transient trouble
         (0: a few quick tries), for a publisher with nothing better to do with a refused message, such as
-        a worker's result: a quorum queue electing a new leader nacks for seconds."""
+        a worker's result: a quorum queue electing a new leader nacks for seconds.
+        ``max_message_bytes``: the largest message its readers take (a pack of tasks stays within it)."""
         self.channel = channel
+        self.max_message_bytes = max_message_bytes
         self.patience_s = patience_s
         self.signer = signer
         self.names = names
@@ -146,22 +170,78 @@ class Publisher:
         self._declared: dict[str, asyncio.Future[None]] = {}
 
     async def publish_all(self, messages: Iterable[Outgoing], now_ms: int) -> list[str]:
-        batch = list(messages)
-        if not batch:
+        """Publish ``messages``; returns the ids the broker confirmed. A bag's item tasks that may share
+        a message (``bodies.per_message``) go to their queue packed, each still signed on its own."""
+        alone, packs = self._packed(messages, now_ms)
+        units: list[list[Outgoing]] = [[m] for m in alone] + [p.messages for p in packs]
+        if not units:
             return []
-        results = await asyncio.gather(*(self._publish(m, now_ms) for m in batch), return_exceptions=True)
+        results = await asyncio.gather(
+            *(self._publish(m, now_ms) for m in alone),
+            *(self._publish_pack(p) for p in packs),
+            return_exceptions=True,
+        )
         confirmed = []
-        for message, result in zip(batch, results, strict=True):
+        for unit, result in zip(units, results, strict=True):
             if isinstance(result, BaseException):
                 log.warning(
                     "publish of %s (%s) not confirmed: %s; the relay will retry",
-                    message.message_id,
-                    message.route,
+                    ", ".join(m.message_id for m in unit),
+                    unit[0].route,
                     result,
                 )
             else:
-                confirmed.append(message.message_id)
+                confirmed += [m.message_id for m in unit]
         return confirmed
+
+    def _packed(self, messages: Iterable[Outgoing], now_ms: int) -> tuple[list[Outgoing], list[_Pack]]:
+        """``messages`` split into those sent alone and packs of item tasks, each pack for one contract
+        queue, of at most its tasks' ``per_message`` and at most ``max_message_bytes`` (what a worker
+        reads)."""
+        alone: list[Outgoing] = []
+        packs: list[_Pack] = []
+        filling: dict[tuple[str, str], _Pack] = {}
+        for message in messages:
+            per_message = bodies.per_message(message.body) if message.route[0] == "task" else 1
+            if per_message == 1:
+                alone.append(message)
+                continue
+            payload = message_bytes(message, self.signer, now_ms)
+            queue = (message.route[1], str(message.body.get("contract", "")))
+            pack = filling.get(queue)
+            if pack is None or not pack.takes(payload, per_message, self.max_message_bytes):
+                pack = filling[queue] = _Pack(*queue)
+                packs.append(pack)
+            pack.add(message, payload)
+        return alone, packs
+
+    async def _publish_pack(self, pack: _Pack) -> None:
+        """Publish a pack of item tasks: one container, or the one task as a plain message."""
+        name = self.names.task_queue(pack.queue, pack.contract)
+        await self._declare_once(name, pack.queue, pack.contract)
+        if len(pack.payloads) == 1:
+            body, message_id, headers, content_type = (
+                pack.payloads[0],
+                pack.messages[0].message_id,
+                None,
+                None,
+            )
+        else:
+            container = batch.pack(pack.payloads, pack.messages[0].message_id)
+            body, message_id, headers = container.body, container.message_id, container.headers
+            content_type = batch.CONTENT_TYPE
+        try:
+            await self.publish_bytes(
+                body,
+                message_id,
+                self.names.tasks_exchange,
+                name,
+                headers=headers,
+                content_type=content_type or "application/json",
+            )
+        except aiormq.exceptions.PublishError:
+            self._declared.pop(name, None)  # deleted behind our back: declare it again on the next try
+            raise
 
     async def _publish(self, message: Outgoing, now_ms: int) -> None:
         kind, target = message.route

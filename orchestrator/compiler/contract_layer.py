@@ -14,7 +14,14 @@ from orchestrator.compiler import schemas
 from orchestrator.compiler.graph import GraphFacts
 from orchestrator.compiler.limits import AdmissionLimits
 from orchestrator.compiler.report import Reporter
-from orchestrator.contracts import CompensationInput, Contract, ContractKind, Registry, RunTerminalInput
+from orchestrator.contracts import (
+    SERIAL_QUEUE,
+    CompensationInput,
+    Contract,
+    ContractKind,
+    Registry,
+    RunTerminalInput,
+)
 from orchestrator.dsl.expressions import (
     Binding,
     BindingSyntaxError,
@@ -150,6 +157,13 @@ class ContractLayer:
         scope = Scope(STAGE_VARIABLES, stage.name)
         if isinstance(stage, MapStage):
             scope = Scope(MAP_VARIABLES, stage.name, self._map_items(stage, base))
+            queue = stage.queue or (contract.queue if contract is not None else None)
+            if stage.items_per_message > 1 and queue == SERIAL_QUEUE:
+                self.report.add(
+                    (*base, "items_per_message"),
+                    f"items_per_message {stage.items_per_message} on {SERIAL_QUEUE}: serial tasks run one "
+                    "at a time and travel one per message; remove items_per_message or use another queue",
+                )
         if contract is not None:
             self._inputs(stage, contract, base, scope)
 

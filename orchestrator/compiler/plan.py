@@ -87,6 +87,8 @@ def _stage(stage: Any, facts: GraphFacts, contracts: dict[str, Contract]) -> dic
     out: dict[str, Any] = stage.model_dump(mode="json", exclude={"name", "description"})
     if isinstance(stage, WorkStage):
         out["queue"] = stage.queue or contracts[stage.contract_ref].queue
+    if out.get("items_per_message") == 1:
+        del out["items_per_message"]  # the default: plans compiled before it existed keep their digest
     if isinstance(stage, JoinStage):
         info = facts.joins[stage.name]
         out["fork"] = info.fork

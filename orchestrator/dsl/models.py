@@ -101,6 +101,10 @@ class WorkerStage(_WorkStage):
         return self.worker
 
 
+#: The most item tasks one message may carry (``items_per_message``).
+MAX_ITEMS_PER_MESSAGE = 100
+
+
 class MapStage(_WorkStage):
     """004's bag of parallel tasks: one worker per item of a bound list, joined by one barrier.
 
@@ -112,6 +116,9 @@ class MapStage(_WorkStage):
     worker: ContractRef
     items: str = Field(min_length=1)
     max_items: int = Field(ge=1)
+    # How many item tasks travel in one broker message: cheap items spend less on the transport, at the
+    # price of coarser sharing between workers (one worker takes the message's items together).
+    items_per_message: int = Field(1, ge=1, le=MAX_ITEMS_PER_MESSAGE)
 
     @property
     def contract_ref(self) -> str:

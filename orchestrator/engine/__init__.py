@@ -33,6 +33,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+from orchestrator import jsontext
 from orchestrator.engine import door, liveness, nudge, outputs, redrive
 from orchestrator.engine.builder import dumps, rejected
 from orchestrator.engine.model import (
@@ -260,7 +261,7 @@ def _map_item(step: Step, stage: Bag, rec: StageRecord, event: StageResult) -> D
         Key("barrier", event.stage),
         str(event.item),
         release,
-        result=dumps(event.result),
+        result=jsontext.dumps(event.result, sort_keys=True),  # read back only as JSON (ordered_items)
         refill=_refill_due(step, event.stage, rec),
     )
     return step.decision()

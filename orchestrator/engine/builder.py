@@ -33,7 +33,7 @@ from orchestrator.engine.model import (
     Verdict,
     Write,
 )
-from orchestrator.engine.plan import Plan, Work
+from orchestrator.engine.plan import Bag, Plan, Work
 from orchestrator.wire import bodies, ids, sizes
 from orchestrator.wire.kinds import Kind
 from orchestrator.wire.outgoing import Outgoing
@@ -204,6 +204,7 @@ class Builder:
             item=item,
             id_parts=(id_part,),
             report=report,
+            per_message=stage.items_per_message if isinstance(stage, Bag) and item is not None else 1,
         )
 
     def task(
@@ -218,6 +219,7 @@ class Builder:
         item: int | None = None,
         id_parts: tuple[object, ...] = (),
         report: dict[str, Any] | None = None,
+        per_message: int = 1,
     ) -> Outgoing:
         """A task message for contract ``ref``: its id is a pure function of run, label, fence and
         ``id_parts``, so building it again (a relay, a nudge) gives the same message, and it is the
@@ -236,6 +238,7 @@ class Builder:
             payload=payload,
             idempotency_key=message_id,
             report=report,
+            per_message=per_message,
         )
         return Outgoing(message_id, Kind.TASK, ("task", queue), body)
 
@@ -261,12 +264,7 @@ class Builder:
 
     def refill(self, bag: str, fence: str, sent: int) -> Outgoing:
         """The continuation a chunked bag sends itself for its next chunk, the items from ``sent`` on."""
-        return Outgoing(
-            ids.refill_id(self.run.run_id, bag, fence, sent),
-            Kind.REFILL,
-            ("shard", self.run.shard),
-            bodies.refill(self.run.run_id, bag, fence, sent),
-        )
+        return _refill(self.run.run_id, self.run.shard, bag, fence, sent)
 
     def request_cancel(self, name: str, fence: str, cause: str = "") -> None:
         """Ask the workers to stop an attempt (broadcast: any worker running it stops). The attempt is
@@ -328,4 +326,16 @@ def _release(run_id: str, shard: str, barrier: str, fence: str) -> Outgoing:
         Kind.RELEASE,
         ("shard", shard),
         bodies.attempt(run_id, barrier, fence),
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def _refill(run_id: str, shard: str, bag: str, fence: str, sent: int) -> Outgoing:
+    """A bag's refill message. Every arrival while a refill is due names it (the store sends it once, at
+    the arrival that makes it due), so the same one is built once, not once per item."""
+    return Outgoing(
+        ids.refill_id(run_id, bag, fence, sent),
+        Kind.REFILL,
+        ("shard", shard),
+        bodies.refill(run_id, bag, fence, sent),
     )

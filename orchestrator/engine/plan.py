@@ -84,6 +84,7 @@ class Bag(Work):
 
     items: str
     max_items: int
+    items_per_message: int = 1  # item tasks per broker message (a container of several when above 1)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -238,5 +239,10 @@ def _work(name: str, kind: str, spec: Mapping[str, Any], arrives_at: BranchEnd |
         **{f: spec.get(f) or None for f in ATTEMPT_CLOCK_FIELDS.values()},
     }
     if kind == "map":
-        return Bag(**common, items=str(spec["items"]), max_items=int(spec["max_items"]))
+        return Bag(
+            **common,
+            items=str(spec["items"]),
+            max_items=int(spec["max_items"]),
+            items_per_message=int(spec.get("items_per_message", 1)),
+        )
     return Work(**common)

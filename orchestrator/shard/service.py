@@ -310,6 +310,7 @@ class ShardService:
             declare_on=self._untracked_channel,
             group_size=self.options.quorum_group_size,
             renew_with=self._untracked_channel,
+            max_message_bytes=self.options.max_message_bytes,
         )
         # Passive: a shard queue that is not there (retired, or no topology applied) is an error here.
         queue = await channel.declare_queue(self.options.names.shard_queue(shard), passive=True)

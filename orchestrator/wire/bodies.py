@@ -94,9 +94,11 @@ def task(
     payload: Any,
     idempotency_key: str,
     report: Mapping[str, Any] | None = None,
+    per_message: int = 1,
 ) -> dict[str, Any]:
     """A task's body; it repeats the identity the envelope carries, since the outbox keeps only the body
-    (``bus.publisher`` builds the envelope from it)."""
+    (``bus.publisher`` builds the envelope from it). ``per_message``: how many of a bag's item tasks the
+    publisher may pack into one message (the map's ``items_per_message``)."""
     body = {
         "run_id": run_id,
         "shard": shard,
@@ -112,7 +114,19 @@ def task(
     }
     if report is not None:
         body["report"] = dict(report)
+    if per_message > 1:
+        body[PER_MESSAGE] = per_message
     return body
+
+
+#: The task body field saying how many item tasks may share a message (absent: one).
+PER_MESSAGE = "items_per_message"
+
+
+def per_message(body: Mapping[str, Any]) -> int:
+    """How many tasks like this one the publisher may pack into one message (1: it travels alone)."""
+    value = body.get(PER_MESSAGE)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 1 else 1
 
 
 # ---- result: worker -> shard ----------------------------------------------------------------------------

@@ -1,0 +1,161 @@
+"""Packed item tasks on the real services: a map with ``items_per_message`` sends its item tasks several to
+a message (a container, orchestrator/bus/batch.py), each still signed on its own; the worker runs each on
+its own and settles the message once every one of them has reported.
+
+- a bag of 120 items (thumbnail-batch packs 50 to a message) completes with its results in item order,
+  the worker received its tasks in containers, and every item ran its effect once;
+- a container delivered again (its first delivery was given back unacked) is split by the worker into one
+  message per task, and its run completes, each item's effect still once;
+- a container that is not exactly its frames is parked whole on the rejected queue with the reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import zlib
+from collections.abc import Iterator
+
+import aio_pika
+import pytest
+
+from orchestrator.bus import batch
+from orchestrator.bus.names import Names
+from orchestrator.client import SyncClient
+from tests.faults.invariants import assert_no_violations, check_runs
+from tests.integration.stack import Stack, poll
+from tests.integration.test_metrics import metered, scrape, total
+from tests.integration.test_result_batching import take_parked
+
+pytestmark = pytest.mark.services
+
+NAMES = Names()  # the stack runs in the default namespace, on a vhost of its own
+RENDER = NAMES.task_queue("tasks.parallel", "thumbnail.render@3")
+PER_MESSAGE = 50  # definitions/thumbnail-batch.yaml
+
+
+@pytest.fixture(scope="module")
+def stack() -> Iterator[tuple[Stack, int, int]]:
+    yield from metered(Stack("packing"))
+
+
+def test_a_bag_sends_its_items_packed_and_completes_with_each_item_run_once(
+    stack: tuple[Stack, int, int],
+) -> None:
+    s, _, worker_port = stack
+    # Given a map that packs 50 item tasks to a message
+    width = 120
+    models = [f"packed-{i}" for i in range(width)]
+    # When a bag of 120 items runs
+    with SyncClient(s.settings) as client:
+        run_id = client.start("thumbnail-batch", {"modelIds": models})
+        result = client.wait(run_id, timeout_s=60)
+    # Then it completes with every item's result in item order
+    assert result.state == "completed", result
+    assert result.output == {
+        "count": width,
+        "thumbnails": [{"thumbnailUri": f"thumbs/{m}.png"} for m in models],
+    }
+    # and its tasks reached the worker in containers: 50, 50 and 20 (more only if one was sent again)
+    worker = scrape(worker_port)
+    assert worker is not None
+    containers = total(worker, "saga_worker_container_tasks_count")
+    carried = total(worker, "saga_worker_container_tasks_sum")
+    assert containers >= -(-width // PER_MESSAGE), containers
+    assert carried >= width and carried <= containers * PER_MESSAGE, (carried, containers)
+    # and each item ran its effect once, with nothing refused or dead-lettered on the way
+    assert_no_violations(check_runs(s.redis, s.prefix, [run_id]), "the shared invariants")
+    depths = s.queue_depths()
+    assert depths.get(NAMES.rejected_queue, 0) == 0, depths
+    assert all(n == 0 for q, n in depths.items() if q.endswith(".dlq")), depths
+
+
+def test_a_container_delivered_again_is_split_into_one_message_per_task(
+    stack: tuple[Stack, int, int],
+) -> None:
+    s, _, _ = stack
+    # Given a bag of 7 items dispatched while no worker runs: one container of 7 tasks
+    s.stop("worker")
+    models = [f"again-{i}" for i in range(7)]
+    with SyncClient(s.settings) as client:
+        run_id = client.start("thumbnail-batch", {"modelIds": models})
+    # and a consumer that took the container and gave it back unacked (it died holding it)
+    headers = give_back_one(s, RENDER)
+    assert headers[batch.BATCH_HEADER] == len(models), headers
+    # When a worker gets it again
+    s.start_worker("worker")
+    # Then it sends its tasks back one per message, and the run completes with each item run once
+    assert s.wait_finished(run_id, timeout_s=60)["status"] == "completed"
+    assert "its 7 tasks were re-sent one per message" in s.log("worker")
+    assert_no_violations(check_runs(s.redis, s.prefix, [run_id]), "the shared invariants")
+    poll(lambda: s.queue_depths().get(RENDER, 0) == 0, 20, what="the container and its tasks acked")
+
+
+def test_a_container_that_is_not_its_frames_is_parked_whole(stack: tuple[Stack, int, int]) -> None:
+    s, _, _ = stack
+    # Given a container on a task queue whose checksum does not match its body
+    body = b"".join(len(p).to_bytes(4, "big") + p for p in (b'{"a":1}', b'{"b":2}'))
+    headers = {batch.BATCH_HEADER: 2, batch.CHECKSUM_HEADER: zlib.crc32(body) ^ 1}
+    # When a worker takes it
+    publish_to_task_queue(s, RENDER, body, headers, "garbled-container")
+    # Then it is parked whole, with the reason, and nothing of it runs
+    (parked,) = poll(lambda: take_parked(s), 20, what="the container parked")
+    parked_body, parked_headers, message_id = parked
+    assert parked_body == body
+    assert parked_headers["x-saga-reason"] == batch.REASON
+    assert parked_headers["x-saga-source"] == RENDER
+    assert message_id == "garbled-container"
+    poll(lambda: s.queue_depths().get(RENDER, 0) == 0, 20, what="the container acked")
+
+
+# ---- helpers -----------------------------------------------------------------------------------------
+
+
+def give_back_one(stack: Stack, queue: str, timeout_s: float = 20.0) -> dict[str, object]:
+    """Take one message off ``queue`` and close the channel without acking it: the broker delivers it
+    again, marked redelivered. Returns its headers."""
+
+    async def go() -> dict[str, object]:
+        connection = await aio_pika.connect(stack.settings.amqp_url)
+        try:
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + timeout_s
+            while True:
+                channel = await connection.channel()
+                try:
+                    source = await channel.declare_queue(queue, passive=True)
+                    message = await source.get(no_ack=False, fail=False)
+                except aio_pika.exceptions.ChannelClosed:  # not declared yet: nothing dispatched
+                    message = None
+                if message is not None:
+                    await channel.close()  # unacked: back to the queue
+                    return dict(message.headers or {})
+                assert loop.time() < deadline, f"nothing came on {queue}"
+                if not channel.is_closed:
+                    await channel.close()
+                await asyncio.sleep(0.05)
+        finally:
+            await connection.close()
+
+    return asyncio.run(go())
+
+
+def publish_to_task_queue(
+    stack: Stack, queue: str, body: bytes, headers: dict[str, object], message_id: str
+) -> None:
+    async def go() -> None:
+        connection = await aio_pika.connect(stack.settings.amqp_url)
+        try:
+            channel = await connection.channel(publisher_confirms=True)
+            exchange = await channel.get_exchange(NAMES.tasks_exchange, ensure=False)
+            message = aio_pika.Message(
+                body,
+                headers=headers,  # type: ignore[arg-type]
+                message_id=message_id,
+                content_type=batch.CONTENT_TYPE,
+                delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+            )
+            await exchange.publish(message, routing_key=queue, mandatory=True)
+        finally:
+            await connection.close()
+
+    asyncio.run(go())
