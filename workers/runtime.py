@@ -326,7 +326,7 @@ class WorkerRuntime:
         if batch.is_container(message.headers):
             handling = self._open(message, publisher, pool, settle, serial)
         else:
-            handling = self._handle(_Task(message, message.body), publisher, pool, settle, serial)
+            handling = self._handle(_Delivered(message, message.body), publisher, pool, settle, serial)
         task = asyncio.create_task(handling)
         self._inflight.add(task)
         task.add_done_callback(self._inflight.discard)
@@ -346,16 +346,40 @@ class WorkerRuntime:
         try:
             payloads = batch.unpack(message.body, message.headers or {}, self.max_message_bytes)
         except EnvelopeRejected as exc:
-            await self._refuse(publisher, _Task(message, message.body), exc, settle)
+            await self._refuse(publisher, _Delivered(message, message.body), exc, settle)
             return
         metrics.tasks_packed(len(payloads))
         if message.redelivered:
             await self._split(publisher, message, payloads, settle)
             return
-        together = _Together(settle, len(payloads))
+        container = _ContainerSettle(settle, len(payloads))
         await asyncio.gather(
-            *(self._handle(_Task(message, p), publisher, pool, together, serial) for p in payloads)
+            *(
+                self._handle_packed(_Delivered(message, p), publisher, pool, container, serial)
+                for p in payloads
+            )
         )
+
+    async def _handle_packed(
+        self,
+        delivered: _Delivered,
+        publisher: Publisher,
+        pool: ThreadPoolExecutor,
+        container: _ContainerSettle,
+        serial: bool,
+    ) -> None:
+        """One task of a container, settled exactly once whatever happens: a task that raised instead of
+        reporting makes the container go back rather than leave it unsettled, holding back every later
+        ack on its channel."""
+        part = container.part()
+        try:
+            await self._handle(delivered, publisher, pool, part, serial)
+        except Exception:
+            log.exception(
+                "a packed task of container %s failed to run; the container goes back",
+                delivered.message.message_id,
+            )
+            await part.requeue()
 
     async def _split(
         self,
@@ -366,17 +390,25 @@ class WorkerRuntime:
     ) -> None:
         """Re-send a container's tasks one per message (confirmed) to the queue it came from, then settle
         it; any that could not be sent make the whole container go back (those sent are duplicates,
-        recognised by their ids)."""
-        try:
-            await asyncio.gather(
-                *(
-                    publisher.publish_bytes(p, _task_id(p), message.exchange or "", message.routing_key or "")
-                    for p in payloads
-                )
-            )
-        except Exception as exc:
+        recognised by their ids). Nothing is re-sent once its channel closed: the broker has taken the
+        container back for another consumer, which splits it itself."""
+        if not _alive(message):
+            return
+        sent = await asyncio.gather(
+            *(
+                publisher.publish_bytes(p, _task_id(p), message.exchange or "", message.routing_key or "")
+                for p in payloads
+            ),
+            return_exceptions=True,
+        )
+        failed = [r for r in sent if isinstance(r, BaseException)]
+        if failed:
             log.warning(
-                "could not split container %s: %s; it goes back to the queue", message.message_id, exc
+                "could not split container %s (%d of %d tasks not re-sent: %s); it goes back to the queue",
+                message.message_id,
+                len(failed),
+                len(payloads),
+                failed[0],
             )
             await settle.requeue()
             return
@@ -388,13 +420,20 @@ class WorkerRuntime:
         await settle.ack()
 
     async def _refuse(
-        self, publisher: Publisher, task: _Task, exc: EnvelopeRejected, settle: _Settle | _Together
+        self, publisher: Publisher, task: _Delivered, exc: EnvelopeRejected, settle: _Settles
     ) -> None:
-        """Park a task (or container) that failed verification on the rejected queue, then settle it."""
+        """Park a task (or a container, with the headers that make it one, so that a replay sends it as
+        it came) that failed verification on the rejected queue, then settle it."""
         message_id = task.message_id or _task_id(task.body) or None
         source = task.message.routing_key or ""  # task queues are bound under their own names
+        whole = task.body is task.message.body and batch.is_container(task.message.headers)
+        framing = (
+            {k: task.message.headers[k] for k in batch.HEADERS if k in task.message.headers}
+            if whole
+            else None
+        )
         try:
-            await publisher.reject(task.body, exc.reason, exc.detail, source, message_id)
+            await publisher.reject(task.body, exc.reason, exc.detail, source, message_id, headers=framing)
         except Exception as trouble:  # not parked: it goes back, to be refused again
             log.warning("could not park refused task %s: %s", message_id, trouble)
             await settle.requeue()
@@ -403,10 +442,10 @@ class WorkerRuntime:
 
     async def _handle(
         self,
-        delivered: _Task,
+        delivered: _Delivered,
         publisher: Publisher,
         pool: ThreadPoolExecutor,
-        settle: _Settle | _Together,
+        settle: _Settles,
         serial: bool,
     ) -> None:
         message = delivered.message
@@ -445,7 +484,7 @@ class WorkerRuntime:
         await self._report_result(publisher, envelope, outcome, settle)
 
     async def _report_result(
-        self, publisher: Publisher, envelope: Envelope, outcome: Outcome, settle: _Settle | _Together
+        self, publisher: Publisher, envelope: Envelope, outcome: Outcome, settle: _Settles
     ) -> None:
         """Send the attempt's result to its run's shard; settle the task once the result is safe."""
         result = self._result(envelope, outcome)
@@ -476,7 +515,7 @@ class WorkerRuntime:
         with TRACE.span("ack", [envelope.message_id]):
             await settle.ack()  # the result is confirmed: the task may be acked
 
-    async def _wait_turn(self, envelope: Envelope, serial: bool, delivered: _Task) -> Turn | None:
+    async def _wait_turn(self, envelope: Envelope, serial: bool, delivered: _Delivered) -> Turn | None:
         """Wait until this task may start: a free slot, and for a serial task the serial lane too. None
         when the worker gives its deliveries back first; a turn marked ``cancelled`` when the attempt was
         cancelled first."""
@@ -704,7 +743,7 @@ class _Settle:
 
 
 @dataclass
-class _Together:
+class _ContainerSettle:
     """The settling of a container's tasks: its delivery is acked once every task is settled, or given
     back if any of them had to be (the others then run again, and report as duplicates)."""
 
@@ -712,21 +751,41 @@ class _Together:
     left: int
     again: bool = False
 
-    async def ack(self) -> None:
-        await self._one_more()
+    def part(self) -> _PartSettle:
+        """How one of its tasks is settled (once: a second settling of the same task is ignored)."""
+        return _PartSettle(self)
 
-    async def requeue(self) -> None:
-        self.again = True
-        await self._one_more()
-
-    async def _one_more(self) -> None:
+    async def one_settled(self, *, requeue: bool) -> None:
+        self.again = self.again or requeue
         self.left -= 1
         if self.left == 0:
             await (self.settle.requeue() if self.again else self.settle.ack())
 
 
+@dataclass
+class _PartSettle:
+    """One task of a container: it counts towards its container's settling once."""
+
+    container: _ContainerSettle
+    done: bool = False
+
+    async def ack(self) -> None:
+        await self._settled(requeue=False)
+
+    async def requeue(self) -> None:
+        await self._settled(requeue=True)
+
+    async def _settled(self, *, requeue: bool) -> None:
+        if not self.done:
+            self.done = True
+            await self.container.one_settled(requeue=requeue)
+
+
+_Settles = _Settle | _PartSettle  # how a task is settled: its own delivery, or its share of a container
+
+
 @dataclass(frozen=True, eq=False)
-class _Task:
+class _Delivered:
     """One task as it came: a delivery of its own, or one of a container's (which share the delivery)."""
 
     message: AbstractIncomingMessage

@@ -28,6 +28,7 @@ from orchestrator.bus.envelope import EnvelopeRejected
 
 BATCH_HEADER = "x-saga-batch"
 CHECKSUM_HEADER = "x-saga-batch-crc32"
+HEADERS = (BATCH_HEADER, CHECKSUM_HEADER)  # what makes a message a container, kept when one is parked
 CONTENT_TYPE = "application/vnd.saga.batch"
 FRAME_BYTES = 4  # each payload's length prefix
 MAX_PAYLOAD_BYTES = 2**32 - 1  # what 4 bytes can say

@@ -23,7 +23,7 @@ from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, stop
 from orchestrator import metrics
 from orchestrator.bus import batch
 from orchestrator.bus.envelope import Envelope, Signer, encode, signed_message
-from orchestrator.bus.names import Names
+from orchestrator.bus.names import SERIAL_TASKS, Names
 from orchestrator.bus.topology import TaskQueueLayout, declare_task_queue
 from orchestrator.trace import TRACE
 from orchestrator.wire import bodies
@@ -195,53 +195,49 @@ class Publisher:
         return confirmed
 
     def _packed(self, messages: Iterable[Outgoing], now_ms: int) -> tuple[list[Outgoing], list[_Pack]]:
-        """``messages`` split into those sent alone and packs of item tasks, each pack for one contract
-        queue, of at most its tasks' ``per_message`` and at most ``max_message_bytes`` (what a worker
-        reads)."""
+        """``messages`` split into those sent alone and packs of two or more item tasks, each pack for one
+        contract queue, of at most its tasks' ``per_message`` and at most ``max_message_bytes`` (what a
+        worker reads). Serial tasks always travel alone."""
         alone: list[Outgoing] = []
         packs: list[_Pack] = []
         filling: dict[tuple[str, str], _Pack] = {}
         for message in messages:
-            per_message = bodies.per_message(message.body) if message.route[0] == "task" else 1
+            kind, queue = message.route
+            per_message = bodies.per_message(message.body) if kind == "task" and queue != SERIAL_TASKS else 1
             if per_message == 1:
                 alone.append(message)
                 continue
-            payload = message_bytes(message, self.signer, now_ms)
-            queue = (message.route[1], str(message.body.get("contract", "")))
-            pack = filling.get(queue)
+            try:
+                payload = message_bytes(message, self.signer, now_ms)
+            except Exception:  # sent alone, it fails on its own (and is logged) instead of the whole call
+                alone.append(message)
+                continue
+            key = (queue, str(message.body.get("contract", "")))
+            pack = filling.get(key)
             if pack is None or not pack.takes(payload, per_message, self.max_message_bytes):
-                pack = filling[queue] = _Pack(*queue)
+                pack = filling[key] = _Pack(*key)
                 packs.append(pack)
             pack.add(message, payload)
-        return alone, packs
+        alone += [p.messages[0] for p in packs if len(p.messages) == 1]  # as it would go unpacked
+        return alone, [p for p in packs if len(p.messages) > 1]
 
     async def _publish_pack(self, pack: _Pack) -> None:
-        """Publish a pack of item tasks: one container, or the one task as a plain message."""
-        name = self.names.task_queue(pack.queue, pack.contract)
-        await self._declare_once(name, pack.queue, pack.contract)
-        if len(pack.payloads) == 1:
-            body, message_id, headers, content_type = (
-                pack.payloads[0],
-                pack.messages[0].message_id,
-                None,
-                None,
-            )
-        else:
-            container = batch.pack(pack.payloads, pack.messages[0].message_id)
-            body, message_id, headers = container.body, container.message_id, container.headers
-            content_type = batch.CONTENT_TYPE
-        try:
-            await self.publish_bytes(
-                body,
-                message_id,
-                self.names.tasks_exchange,
-                name,
-                headers=headers,
-                content_type=content_type or "application/json",
-            )
-        except aiormq.exceptions.PublishError:
-            self._declared.pop(name, None)  # deleted behind our back: declare it again on the next try
-            raise
+        """Publish a pack of item tasks as one container."""
+        container = batch.pack(pack.payloads, pack.messages[0].message_id)
+        if TRACE.enabled:  # each task's own hop, as if it had travelled alone
+            for message in pack.messages:
+                TRACE.event("sent", message.message_id)
+        await self._to_task_queue(
+            pack.queue,
+            pack.contract,
+            container.body,
+            container.message_id,
+            headers=container.headers,
+            content_type=batch.CONTENT_TYPE,
+        )
+        if TRACE.enabled:
+            for message in pack.messages:
+                TRACE.event("confirmed", message.message_id)
 
     async def _publish(self, message: Outgoing, now_ms: int) -> None:
         kind, target = message.route
@@ -261,14 +257,26 @@ class Publisher:
         )
 
     async def _publish_task(self, message: Outgoing, queue: str, now_ms: int) -> None:
-        name = self.names.task_queue(queue, str(message.body.get("contract", "")))
-        await self._declare_once(name, queue, str(message.body.get("contract", "")))
+        contract = str(message.body.get("contract", ""))
+        body = message_bytes(message, self.signer, now_ms)
+        await self._to_task_queue(queue, contract, body, message.message_id)
+
+    async def _to_task_queue(
+        self,
+        queue: str,
+        contract: str,
+        body: bytes,
+        message_id: str,
+        *,
+        headers: Mapping[str, Any] | None = None,
+        content_type: str = "application/json",
+    ) -> None:
+        """Publish to the queue of ``queue`` and ``contract``, declared the first time."""
+        name = self.names.task_queue(queue, contract)
+        await self._declare_once(name, queue, contract)
         try:
             await self.publish_bytes(
-                message_bytes(message, self.signer, now_ms),
-                message.message_id,
-                self.names.tasks_exchange,
-                name,
+                body, message_id, self.names.tasks_exchange, name, headers=headers, content_type=content_type
             )
         except aiormq.exceptions.PublishError:
             self._declared.pop(name, None)  # deleted behind our back: declare it again on the next try
@@ -436,16 +444,25 @@ class Publisher:
                 await owned.close()
 
     async def reject(
-        self, raw: bytes, reason: str, detail: str, source: str, message_id: str | None = None
+        self,
+        raw: bytes,
+        reason: str,
+        detail: str,
+        source: str,
+        message_id: str | None = None,
+        *,
+        headers: Mapping[str, Any] | None = None,
     ) -> None:
         """Park a refused message on the namespace's rejected queue with its reason (the broker's own
-        dead-lettering could only say 'rejected'), under its own AMQP message id so it can be found by it."""
+        dead-lettering could only say 'rejected'), under its own AMQP message id so it can be found by it.
+        ``headers``: the message's own that a replay needs (a container's framing)."""
         default = self.channel.default_exchange
+        reasons = {"x-saga-reason": reason, "x-saga-detail": detail[:1000], "x-saga-source": source}
         await default.publish(
             aio_pika.Message(
                 raw,
                 message_id=message_id,
-                headers={"x-saga-reason": reason, "x-saga-detail": detail[:1000], "x-saga-source": source},
+                headers={**(headers or {}), **reasons},
                 delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
             ),
             routing_key=self.names.rejected_queue,

@@ -4,6 +4,7 @@ per contract queue and within the message size readers take, each task signed on
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from orchestrator.wire.outgoing import Outgoing
 from tests.conftest import DEMO_REGISTRY
 from tests.unit.test_engine import DEFINITIONS
 from tests.unit.test_engine_chunked_bags import WINDOW, bag_sim, item_tasks
+from workers.runtime import _ContainerSettle
 
 SIGNER = Signer.from_settings(("test:secret",))
 SOURCE = (DEFINITIONS / "thumbnail-batch.yaml").read_text(encoding="utf-8")
@@ -78,25 +80,77 @@ def test_packs_hold_at_most_their_tasks_number_per_contract_queue_each_task_sign
     other = [item(i, contract="thumbnail.render@4") for i in (100, 101)]
     single = Outgoing("release-1", Kind.RELEASE, ("shard", "fast.0"), bodies.attempt("run-1", "s", "1.1"))
     lone = item(200, per_message=1)
-    alone, packs = publisher()._packed([*(item(i) for i in range(7)), *other, single, lone], 0)
-    assert [m.message_id for m in alone] == ["release-1", "task-200"]
+    serial = Outgoing("task-300", Kind.TASK, ("task", "tasks.serial"), item(300).body)
+    messages = [*(item(i) for i in range(7)), *other, single, lone, serial]
+    alone, packs = publisher()._packed(messages, 0)
+    # a pack of one would be a plain message anyway: it goes as one
+    assert [m.message_id for m in alone] == ["release-1", "task-200", "task-300", "task-6"]
     assert [[m.message_id for m in p.messages] for p in packs] == [
         ["task-0", "task-1", "task-2"],
         ["task-3", "task-4", "task-5"],
-        ["task-6"],
         ["task-100", "task-101"],
     ]
     for pack in packs:
-        for message, payload in zip(pack.messages, pack.payloads, strict=True):
-            assert decode(payload, SIGNER, 1_048_576).message_id == message.message_id
+        container = batch.pack(pack.payloads, pack.messages[0].message_id)
+        opened = batch.unpack(container.body, container.headers, 1_048_576)
+        decoded = [decode(payload, SIGNER, 1_048_576).message_id for payload in opened]
+        assert decoded == [m.message_id for m in pack.messages]
 
 
 def test_a_pack_stays_within_the_message_size_its_reader_takes() -> None:
     tasks = [item(i, per_message=50, pad=300) for i in range(10)]
-    limit = 1_500
+    one = len(publisher()._packed(tasks[:2], 0)[1][0].payloads[0])
+    limit = 3 * batch.framed_bytes(one) + batch.framed_bytes(one) // 2  # room for three and a half
     alone, packs = publisher(limit)._packed(tasks, 0)
-    assert not alone
-    assert sum(len(p.messages) for p in packs) == 10
-    assert len(packs) > 1
+    assert sum(len(p.messages) for p in packs) + len(alone) == 10
+    assert [len(p.messages) for p in packs] == [3, 3, 3]
+    assert [m.message_id for m in alone] == ["task-9"]
     for pack in packs:
-        assert sum(batch.framed_bytes(len(p)) for p in pack.payloads) <= limit
+        container = batch.pack(pack.payloads, pack.messages[0].message_id)
+        assert len(container.body) <= limit
+        assert len(batch.unpack(container.body, container.headers, limit)) == len(pack.messages)
+
+
+class Settled:
+    """A delivery's settling, as a container's tasks reach it."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    async def ack(self) -> None:
+        self.calls.append("ack")
+
+    async def requeue(self) -> None:
+        self.calls.append("requeue")
+
+
+def settle_container(outcomes: list[list[str]]) -> list[str]:
+    """Settle a container of ``len(outcomes)`` tasks, each task calling the given settlings in turn."""
+    delivery = Settled()
+    container = _ContainerSettle(delivery, len(outcomes))  # type: ignore[arg-type]
+    parts = [container.part() for _ in outcomes]
+
+    async def go() -> None:
+        for part, calls in zip(parts, outcomes, strict=True):
+            for call in calls:
+                await getattr(part, call)()
+
+    asyncio.run(go())
+    return delivery.calls
+
+
+def test_a_container_is_acked_once_every_task_is_settled() -> None:
+    assert settle_container([["ack"], ["ack"], ["ack"]]) == ["ack"]
+    assert settle_container([["ack"], ["ack"], []]) == []  # one still running: nothing yet
+
+
+def test_a_container_goes_back_whole_if_any_task_had_to() -> None:
+    assert settle_container([["ack"], ["requeue"], ["ack"]]) == ["requeue"]
+    assert settle_container([["requeue"], ["requeue"]]) == ["requeue"]
+
+
+def test_a_task_settled_twice_counts_once() -> None:
+    # a task that reported and then raised is settled again by its guard: it must not stand in for
+    # another task still running
+    assert settle_container([["ack", "requeue"], []]) == []
+    assert settle_container([["ack", "requeue"], ["ack"]]) == ["ack"]
