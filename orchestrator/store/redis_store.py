@@ -189,8 +189,10 @@ class RedisStore:
     async def apply_many(
         self, shard: str, transitions: list[tuple[str, str, Decision, Plan]], now_ms: int
     ) -> list[ApplyResult]:
-        """Many transitions (of different runs) pipelined: each is still its own atomic FCALL."""
-        calls = [self._call(shard, *transition, now_ms) for transition in transitions]
+        """Many transitions pipelined, each still checked and applied on its own, in order: a run's
+        consecutive arrivals (a bag's item results) in one FCALL of ``saga_arrive_many``, every other
+        transition in an FCALL of its own."""
+        calls = _grouped([self._call(shard, *transition, now_ms) for transition in transitions])
         started = time.perf_counter()
         async with self.client.pipeline(transaction=False) as pipe:
             for spec, keys in calls:
@@ -207,7 +209,10 @@ class RedisStore:
                 if not isinstance(reply, ResponseError) or "function not found" not in str(reply).lower():
                     raise reply
                 answer = await self._fcall(spec, keys)  # reloads the library and retries this one
-            results.append(_result(answer))
+            if spec.function == ARRIVE_MANY:
+                results += [_result(list(one)) for one in answer]
+            else:
+                results.append(_result(answer))
         return results
 
     async def apply(
@@ -427,6 +432,35 @@ def set_bits(octets: list[int]) -> frozenset[str]:
         for bit in range(8)
         if octet & (0x80 >> bit)
     )
+
+
+ARRIVE_MANY = "saga_arrive_many"
+
+
+def _grouped(calls: list[tuple[Spec, list[str]]]) -> list[tuple[Spec, list[str]]]:
+    """``calls`` with each run's consecutive arrivals (same function, same KEYS) made one call of
+    ``saga_arrive_many``; a lone arrival stays as it is."""
+    out: list[tuple[Spec, list[str]]] = []
+    run: list[tuple[Spec, list[str]]] = []
+
+    def flush() -> None:
+        if len(run) > 1:
+            out.append((Spec(ARRIVE_MANY, {"arrivals": [spec.body for spec, _ in run]}), run[0][1]))
+        else:
+            out.extend(run)
+        run.clear()
+
+    for spec, keys in calls:
+        if spec.function == "saga_arrive" and run and run[0][1] == keys:
+            run.append((spec, keys))
+            continue
+        flush()
+        if spec.function == "saga_arrive":
+            run.append((spec, keys))
+        else:
+            out.append((spec, keys))
+    flush()
+    return out
 
 
 def _result(answer: list[Any]) -> ApplyResult:

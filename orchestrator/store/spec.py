@@ -74,6 +74,22 @@ def outbox_payload(message: Outgoing, run_id: str, at_ms: int) -> str:
     )
 
 
+def _continuation_payload(message: Outgoing, run_id: str, at_ms: int) -> str:
+    """The outbox payload of a barrier's release or a bag's refill: every arrival of a round names the
+    same one (same time, and an id that is a function of the run, barrier, fence and chunk, as its body
+    is), so it is written once per round, not once per item."""
+    key = (message.message_id, run_id, at_ms)
+    payload = _CONTINUATIONS.get(key)
+    if payload is None:
+        if len(_CONTINUATIONS) >= 64:
+            _CONTINUATIONS.clear()
+        payload = _CONTINUATIONS[key] = outbox_payload(message, run_id, at_ms)
+    return payload
+
+
+_CONTINUATIONS: dict[tuple[str, str, int], str] = {}
+
+
 def history_row(entry: HistoryEntry) -> list[str]:
     attempt = "" if entry.attempt is None else str(entry.attempt)
     return [entry.kind, entry.stage or "", attempt, jsontext.dumps(dict(entry.detail), sort_keys=True)]
@@ -81,7 +97,7 @@ def history_row(entry: HistoryEntry) -> list[str]:
 
 @dataclass(frozen=True)
 class Spec:
-    function: str  # saga_create | saga_transition | saga_arrive
+    function: str  # saga_create | saga_transition | saga_arrive (| saga_arrive_many: several arrivals)
     body: dict[str, Any]
 
     def encode(self) -> str:
@@ -140,14 +156,14 @@ def build_spec(
             "counter": counter_field(a.key.name),
             "member": a.member,
             "value": a.result or "",
-            "release": [a.release.message_id, outbox_payload(a.release, run_id, now_ms)],
+            "release": [a.release.message_id, _continuation_payload(a.release, run_id, now_ms)],
         }
         if a.refill is not None:  # the arrival that makes ``at`` arrived appends the bag's refill
             r = a.refill
             body["arrival"]["refill"] = [
                 r.at,
                 r.items,
-                [r.message.message_id, outbox_payload(r.message, run_id, now_ms)],
+                [r.message.message_id, _continuation_payload(r.message, run_id, now_ms)],
             ]
         if a.key.name in bag_index:
             body["arrival"]["bits"] = bag_index[a.key.name]

@@ -7,6 +7,7 @@ Uses the store test's helpers: a key prefix of its own per test, deleted afterwa
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from collections.abc import Mapping
@@ -17,11 +18,11 @@ import pytest
 
 from orchestrator.compiler import CompiledPlan
 from orchestrator.engine import advance
-from orchestrator.engine.model import BagRefill, BarrierReleased, RunSnapshot
+from orchestrator.engine.model import BagRefill, BarrierReleased, Expect, RunSnapshot
 from orchestrator.engine.plan import Plan
 from orchestrator.store.keys import ShardKeys
-from orchestrator.store.redis_store import RedisStore, function_name
-from orchestrator.store.replies import APPLIED, DUPLICATE
+from orchestrator.store.redis_store import RedisStore, _grouped, function_name
+from orchestrator.store.replies import APPLIED, CONFLICT, DUPLICATE
 from orchestrator.store.spec import build_spec
 from orchestrator.wire.sizes import DEFAULT_BAG_WINDOW
 from tests.integration.test_store import NOW, SHARD, redis_apply, started, task_result, with_store
@@ -229,3 +230,60 @@ def release(message: Mapping[str, Any]) -> BarrierReleased:
     """The release an arrival put in the outbox, as the shard receives it."""
     body = message["body"]
     return BarrierReleased(message["id"], body["stage"], body["fence"])
+
+
+def test_a_rounds_arrivals_in_one_call_are_each_checked_and_applied_as_alone() -> None:
+    """The shard applies a round's item results of one bag in one FCALL (saga_arrive_many): each
+    arrival keeps its own checks and reply, as if it had been its own call, in order."""
+
+    async def test(store: RedisStore) -> None:
+        # Given a bag of 6 whose item 0 arrived already
+        run_id = "run-bag-many"
+        bag = await open_bag(store, run_id, 6)
+        plan, tasks, read = bag.plan, bag.tasks, bag.read
+        assert (await arrive_now(store, plan, run_id, read, tasks[0]))[0] == APPLIED
+
+        def decided(task: Mapping[str, Any], **changes: Any) -> tuple[str, str, Any, Plan]:
+            event = task_result(task)
+            decision = advance(plan.typed, plan.digest, read, event, NOW)
+            return run_id, event.message_id, dataclasses.replace(decision, **changes), plan.typed
+
+        # When one round brings items 1 and 2, item 0 again, item 3 decided from a fence that is no
+        # longer the bag's, item 2 again, then items 4 and 5
+        stale = decided(tasks[3])
+        wrong_fence = tuple(
+            Expect(e.key, e.field, "9.9") if e.field == "fence" else e for e in stale[2].expects
+        )
+        round_ = [
+            decided(tasks[1]),
+            decided(tasks[2]),
+            decided(tasks[0]),
+            decided(tasks[3], expects=wrong_fence),
+            decided(tasks[2]),
+            decided(tasks[4]),
+            decided(tasks[5]),
+        ]
+        calls = [store._call(SHARD, *transition, NOW) for transition in round_]
+        assert [spec.function for spec, _ in _grouped(calls)] == ["saga_arrive_many"]  # one FCALL
+        results = await store.apply_many(SHARD, round_, NOW)
+
+        # Then each has its own reply: arrivals count down, duplicates and the conflict change nothing
+        replies = [(r.code, r.detail) for r in results]
+        assert replies == [
+            (APPLIED, "4"),
+            (APPLIED, "3"),
+            (DUPLICATE, round_[2][1]),  # a duplicate's reply names the message
+            (CONFLICT, "s:render-all:fence"),
+            (DUPLICATE, round_[4][1]),
+            (APPLIED, "2"),
+            (APPLIED, "1"),
+        ], replies
+        assert [r.rev is not None for r in results] == [True, True, False, False, False, True, True]
+        # and item 3, decided again from the bag as it is, arrives last and releases it
+        code, detail = await arrive_now(store, plan, run_id, read, tasks[3])
+        assert (code, detail) == (APPLIED, "0")
+        outbox = [json.loads(v) for v in (await store.client.hgetall(bag.keys.outbox())).values()]
+        assert [m["kind"] for m in outbox] == ["barrier.released"]
+        assert await store.arrivals(SHARD, run_id, ("render-all",)) == {"render-all": frozenset("012345")}
+
+    with_store(test)

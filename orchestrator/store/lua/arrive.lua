@@ -14,8 +14,7 @@
 -- The message id is not added to the applied set (spec.remember is false): membership is the dedupe,
 -- and a bag of 10,000 items must not keep 10,000 ids.
 -- Returns {0 APPLIED, remaining, revision} | {1 DUPLICATE} | {2 CONFLICT, field} | {4 NO_RUN} | {5 TIMER_GONE}.
-local function saga_arrive(keys, args)
-  local spec = cjson.decode(args[1])
+local function arrive(keys, spec)
   local a = spec.arrival
   if redis.call('EXISTS', keys[1]) == 0 then
     if not is_null(spec.claim) then redis.call('ZREM', keys[6], spec.claim) end  -- the run expired
@@ -59,4 +58,20 @@ local function saga_arrive(keys, args)
   finish(keys, spec)
   return {APPLIED, tostring(remaining), rev}
 end
+local function saga_arrive(keys, args)
+  return arrive(keys, cjson.decode(args[1]))
+end
 redis.register_function('saga_arrive', saga_arrive)
+
+-- saga_arrive_many: several arrivals of one run (a round's item results of one bag) in one call, each
+-- checked and applied exactly as saga_arrive would, one after the other, with its own reply. ARGV[1] is
+-- {"arrivals": [their specs]}; KEYS is the run's common layout, the same for all of them. Returns the
+-- list of their replies, in order.
+local function saga_arrive_many(keys, args)
+  local replies = {}
+  for i, spec in ipairs(cjson.decode(args[1]).arrivals) do
+    replies[i] = arrive(keys, spec)
+  end
+  return replies
+end
+redis.register_function('saga_arrive_many', saga_arrive_many)
