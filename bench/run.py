@@ -35,6 +35,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
@@ -296,6 +298,15 @@ async def bench_run_bytes(watcher: Watcher, run_ids: list[str]) -> None:
     )
 
 
+def items_per_message(args: argparse.Namespace) -> int:
+    """How many item tasks the bag packs per message: as asked, else as its definition says."""
+    if args.items_per_message is not None:
+        return int(args.items_per_message)
+    source = yaml.safe_load((ROOT / "definitions" / "thumbnail-batch.yaml").read_text(encoding="utf-8"))
+    bag = next(s for s in source["stages"] if s["name"] == "render-all")
+    return int(bag.get("items_per_message", 1))
+
+
 async def bench_wide(client: Client, watcher: Watcher, meter: Meter, args: argparse.Namespace) -> None:
     bag_width, bag_measured = (1000 if 1000 in args.wide else min(args.wide)), False
     for width in args.wide:
@@ -317,6 +328,7 @@ async def bench_wide(client: Client, watcher: Watcher, meter: Meter, args: argpa
             seconds=round(seen - t, 2),
             state=document["state"],
             count=(document["output"] or {}).get("count"),
+            items_per_message=items_per_message(args),
             cpu_s=cpu,
         )
         if live is not None:
@@ -411,6 +423,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--runs", type=int, default=1000, help="model-ingest runs started at once (0: skip)")
     p.add_argument("--wide", type=widths, default=[1000, 5000], help="bag widths, comma-separated")
+    p.add_argument(
+        "--items-per-message",
+        type=int,
+        default=None,
+        help="the bag's items_per_message (1-100; default: as definitions/thumbnail-batch.yaml has it)",
+    )
     p.add_argument("--latency", type=int, default=20, help="single runs one after another (0: skip)")
     p.add_argument("--orchestrators", type=int, default=1, help="orchestrator processes")
     p.add_argument("--workers", type=int, default=1, help="worker processes")
@@ -427,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     load_before = os.getloadavg()[0]
     git = git_state()  # before the processes start: the code they load
-    stack = BenchStack(args.shard_count)
+    stack = BenchStack(args.shard_count, args.items_per_message)
     print(f"bench stack: vhost {stack.vhost}, key prefix {stack.prefix}, logs {stack.logs}", file=sys.stderr)
     try:
         stack.setup()

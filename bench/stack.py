@@ -9,6 +9,7 @@ definition in ``definitions/`` published. Orchestrators and workers run as real 
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import os
@@ -16,8 +17,9 @@ import re
 import time
 from pathlib import Path
 
+from orchestrator.provision import provision
 from orchestrator.store.keys import ShardKeys, index_key
-from tests.integration.stack import Stack, rabbitmqctl
+from tests.integration.stack import REGISTRY, ROOT, Stack, rabbitmqctl
 
 PROBLEM = re.compile(r"\b(ERROR|CRITICAL|WARNING)\b|Traceback")
 
@@ -70,10 +72,30 @@ class BenchStack(Stack):
     """The tests' isolated stack (tests/integration/stack.py) with the benchmark's names, shard count and
     no-op handlers, plus several orchestrators or workers and CPU and hang reporting."""
 
-    def __init__(self, shard_count: int) -> None:
+    def __init__(self, shard_count: int, items_per_message: int | None = None) -> None:
         # no-op handlers (SAGA_DEMO_EFFECTS=0), like the peers' tasks
         super().__init__("", family="bench", shard_count=shard_count, env={"SAGA_DEMO_EFFECTS": "0"})
         self.shard_count = shard_count
+        self.items_per_message = items_per_message
+
+    def setup(self) -> None:
+        """As the tests' stack, with the bag's ``items_per_message`` set as asked (None: as written)."""
+        if self.items_per_message is None:
+            super().setup()
+            return
+        self.rabbitmqctl("add_vhost", self.vhost)
+        self.rabbitmqctl("set_permissions", "-p", self.vhost, "guest", ".*", ".*", ".*")
+        folder = self.logs / "definitions"
+        folder.mkdir(parents=True, exist_ok=True)
+        for source in sorted((ROOT / "definitions").glob("*.yaml")):
+            text = source.read_text(encoding="utf-8")
+            if source.name == "thumbnail-batch.yaml":
+                text = re.sub(r"\n *items_per_message: *\d+", "", text)
+                text = text.replace(
+                    "    max_items:", f"    items_per_message: {self.items_per_message}\n    max_items:"
+                )
+            (folder / source.name).write_text(text, encoding="utf-8")
+        asyncio.run(provision(self.settings, REGISTRY, sorted(folder.glob("*.yaml"))))
 
     def start(self, orchestrators: int, workers: int, concurrency: int) -> None:
         ranges = shard_ranges(self.shard_count, orchestrators)
