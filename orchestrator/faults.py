@@ -28,8 +28,13 @@ def unknown_points(points: Iterable[str]) -> list[str]:
     return sorted(set(points) - CRASH_POINTS)
 
 
-def crash(enabled: frozenset[str], point: str) -> None:
-    """Kill this process at once (SIGKILL: no cleanup, no flush) if ``point`` is enabled."""
+#: What the log line of a crash says about the batch it killed, for a point reached by more than one kind.
+TIMER_BATCH = "a batch of due timers"
+
+
+def crash(enabled: frozenset[str], point: str, batch: str = "") -> None:
+    """Kill this process at once (SIGKILL: no cleanup, no flush) if ``point`` is enabled. ``batch``: what
+    was being processed, where a point is reached on more than one path (said in the log line)."""
     if point in enabled:
-        log.error("crash point %s reached: killing this process", point)
+        log.error("crash point %s reached%s: killing this process", point, f" in {batch}" if batch else "")
         os.kill(os.getpid(), signal.SIGKILL)

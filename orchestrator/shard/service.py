@@ -619,7 +619,7 @@ class ShardService:
                 outgoing += await self._fire_one_by_one(shard, members)
         if not outgoing:
             return
-        faults.crash(self.options.crash_points, "after-commit")
+        faults.crash(self.options.crash_points, "after-commit", faults.TIMER_BATCH)
         outgoing, done_locally = await self._continue_locally(shard, outgoing)
         await self._publish_and_mark(shard, publisher, outgoing, done_locally)
 
