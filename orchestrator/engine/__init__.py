@@ -261,10 +261,18 @@ def _map_item(step: Step, stage: Bag, rec: StageRecord, event: StageResult) -> D
         Key("barrier", event.stage),
         str(event.item),
         release,
-        result=jsontext.dumps(event.result, sort_keys=True),  # read back only as JSON (ordered_items)
+        result=_result_text(event.result),
         refill=_refill_due(step, event.stage, rec),
     )
     return step.decision()
+
+
+def _result_text(result: Any) -> str:
+    """An item's result as the bag keeps it, read back only as JSON (``ordered_items``): orjson's text,
+    unless it holds a null, where a non-finite number may hide (orjson writes NaN as null); that text is
+    the standard library's, as every other stored result's."""
+    text = jsontext.dumps(result, sort_keys=True)
+    return dumps(result) if "null" in text else text
 
 
 def _refill_due(step: Step, name: str, rec: StageRecord) -> Refill | None:

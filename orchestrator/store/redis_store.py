@@ -2,8 +2,9 @@
 decided transitions atomically, and keep plans and the run-id index.
 
 Decisions stay out of this module (the engine decides); it only translates. Every state change of a run
-is one FCALL. The library is loaded at start-up and again whenever Redis answers that a function is
-missing: a restarted Redis that persists nothing has lost it.
+is one FCALL (a round's arrivals of one run share one, each still checked and applied on its own). The
+library is loaded at start-up and again whenever Redis answers that a function is missing: a restarted
+Redis that persists nothing has lost it.
 """
 
 from __future__ import annotations
@@ -435,6 +436,9 @@ def set_bits(octets: list[int]) -> frozenset[str]:
 
 
 ARRIVE_MANY = "saga_arrive_many"
+#: The most arrivals one FCALL carries: Redis serves no other client while a function runs, so a round of
+#: a whole window's arrivals goes as several calls.
+MAX_ARRIVALS_PER_CALL = 256
 
 
 def _grouped(calls: list[tuple[Spec, list[str]]]) -> list[tuple[Spec, list[str]]]:
@@ -451,7 +455,7 @@ def _grouped(calls: list[tuple[Spec, list[str]]]) -> list[tuple[Spec, list[str]]
         run.clear()
 
     for spec, keys in calls:
-        if spec.function == "saga_arrive" and run and run[0][1] == keys:
+        if spec.function == "saga_arrive" and run and run[0][1] == keys and len(run) < MAX_ARRIVALS_PER_CALL:
             run.append((spec, keys))
             continue
         flush()

@@ -78,7 +78,7 @@ def _continuation_payload(message: Outgoing, run_id: str, at_ms: int) -> str:
     """The outbox payload of a barrier's release or a bag's refill: every arrival of a round names the
     same one (same time, and an id that is a function of the run, barrier, fence and chunk, as its body
     is), so it is written once per round, not once per item."""
-    key = (message.message_id, run_id, at_ms)
+    key = (message.message_id, message.route, run_id, at_ms)
     payload = _CONTINUATIONS.get(key)
     if payload is None:
         if len(_CONTINUATIONS) >= 64:
@@ -87,7 +87,7 @@ def _continuation_payload(message: Outgoing, run_id: str, at_ms: int) -> str:
     return payload
 
 
-_CONTINUATIONS: dict[tuple[str, str, int], str] = {}
+_CONTINUATIONS: dict[tuple[str, tuple[str, str], str, int], str] = {}
 
 
 def history_row(entry: HistoryEntry) -> list[str]:

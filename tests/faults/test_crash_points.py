@@ -81,7 +81,8 @@ def test_a_crash_at_a_named_point_under_load_loses_and_repeats_nothing(
     charge) and one thumbnail-batch bag of 150-250 items, 41 runs in all. Asserts: the crashing process
     died by SIGKILL at ``point`` (exit code and log); what the point implies happened (after-consume:
     it committed nothing; the committed points: it left unsent outbox entries, and the healthy process
-    recorded the batch that came back as duplicates (after-commit); worker-after-effect: it recorded an
+    recorded the batch that came back as duplicates (after-commit, unless the batch was one of due
+    timers, which has no delivery to come back); worker-after-effect: it recorded an
     effect it never reported); then every run completed, each join and bag released once with exactly its
     members, at most one accepted result per (run, stage, attempt), one effect per idempotency key, no
     unsent outbox entry, no dead letter and nothing on saga.rejected."""
