@@ -45,16 +45,7 @@ def test_a_wide_bag_completes_with_its_results_batched(stack: tuple[Stack, int, 
     s, orchestrator_port, worker_port = stack
     # Given a worker running 16 tasks at once
     # When a bag of 200 no-op items runs
-    models = [f"m{i}" for i in range(WIDTH)]
-    with SyncClient(s.settings) as client:
-        run_id = client.start("thumbnail-batch", {"modelIds": models})
-        result = client.wait(run_id, timeout_s=60)
-    # Then it completes with every item's result in item order
-    assert result.state == "completed", result
-    assert result.output == {
-        "count": WIDTH,
-        "thumbnails": [{"thumbnailUri": f"thumbs/{m}.png"} for m in models],
-    }
+    run_bag(s, [f"m{i}" for i in range(WIDTH)])  # Then it completes with every result in item order
     # and some of the results travelled several to a message, on both sides of the broker
     worker = scrape(worker_port)
     orchestrator = scrape(orchestrator_port)
@@ -66,10 +57,7 @@ def test_a_wide_bag_completes_with_its_results_batched(stack: tuple[Stack, int, 
     carried = total(worker, "saga_worker_container_reports_sum")
     assert total(orchestrator, "saga_shard_container_messages_sum") == carried
     assert 2 * sent <= carried <= WIDTH + 1  # the items' results (and the finaliser's, alone or not)
-    # and nothing was refused or dead-lettered on the way
-    depths = s.queue_depths()
-    assert depths.get(NAMES.rejected_queue, 0) == 0, depths
-    assert all(n == 0 for q, n in depths.items() if q.endswith(".dlq")), depths
+    assert_nothing_refused(s)  # and nothing was refused or dead-lettered on the way
 
 
 def test_a_forged_result_in_a_container_is_parked_alone_and_the_valid_one_applied(
@@ -143,6 +131,27 @@ def test_a_container_redelivered_after_its_results_committed_is_recognised_as_du
 
 
 # ---- helpers -----------------------------------------------------------------------------------------
+
+
+def run_bag(stack: Stack, models: list[str]) -> str:
+    """Run a thumbnail-batch bag over ``models`` to its end; asserts it completed with every item's
+    result in item order, and returns its run id."""
+    with SyncClient(stack.settings) as client:
+        run_id = client.start("thumbnail-batch", {"modelIds": models})
+        result = client.wait(run_id, timeout_s=60)
+    assert result.state == "completed", result
+    assert result.output == {
+        "count": len(models),
+        "thumbnails": [{"thumbnailUri": f"thumbs/{m}.png"} for m in models],
+    }
+    return run_id
+
+
+def assert_nothing_refused(stack: Stack) -> None:
+    """Nothing waits on the rejected queue or on a dead-letter queue."""
+    depths = stack.queue_depths()
+    assert depths.get(NAMES.rejected_queue, 0) == 0, depths
+    assert all(n == 0 for q, n in depths.items() if q.endswith(".dlq")), depths
 
 
 def stop_worker(stack: Stack) -> None:

@@ -24,7 +24,7 @@ from orchestrator.client import SyncClient
 from tests.faults.invariants import assert_no_violations, check_runs
 from tests.integration.stack import Stack, poll
 from tests.integration.test_metrics import metered, scrape, total
-from tests.integration.test_result_batching import take_parked
+from tests.integration.test_result_batching import assert_nothing_refused, run_bag, take_parked
 
 pytestmark = pytest.mark.services
 
@@ -44,17 +44,8 @@ def test_a_bag_sends_its_items_packed_and_completes_with_each_item_run_once(
     s, _, worker_port = stack
     # Given a map that packs 50 item tasks to a message
     width = 120
-    models = [f"packed-{i}" for i in range(width)]
-    # When a bag of 120 items runs
-    with SyncClient(s.settings) as client:
-        run_id = client.start("thumbnail-batch", {"modelIds": models})
-        result = client.wait(run_id, timeout_s=60)
-    # Then it completes with every item's result in item order
-    assert result.state == "completed", result
-    assert result.output == {
-        "count": width,
-        "thumbnails": [{"thumbnailUri": f"thumbs/{m}.png"} for m in models],
-    }
+    # When a bag of 120 items runs, Then it completes with every item's result in item order
+    run_id = run_bag(s, [f"packed-{i}" for i in range(width)])
     # and its tasks reached the worker in containers: 50, 50 and 20 (more only if one was sent again)
     worker = scrape(worker_port)
     assert worker is not None
@@ -64,9 +55,7 @@ def test_a_bag_sends_its_items_packed_and_completes_with_each_item_run_once(
     assert carried >= width and carried <= containers * PER_MESSAGE, (carried, containers)
     # and each item ran its effect once, with nothing refused or dead-lettered on the way
     assert_no_violations(check_runs(s.redis, s.prefix, [run_id]), "the shared invariants")
-    depths = s.queue_depths()
-    assert depths.get(NAMES.rejected_queue, 0) == 0, depths
-    assert all(n == 0 for q, n in depths.items() if q.endswith(".dlq")), depths
+    assert_nothing_refused(s)
 
 
 def test_a_container_delivered_again_is_split_into_one_message_per_task(
