@@ -189,20 +189,29 @@ def publish_container(stack: Stack, shard: str, payloads: list[bytes]) -> None:
     """Publish ``payloads`` in one container to ``shard``, as a worker does."""
     first = decode(payloads[0], stack.signer, stack.settings.max_message_bytes).message_id
     container = batch.pack(payloads, first)
+    publish_framed(
+        stack, NAMES.runs_exchange, shard, container.body, dict(container.headers), container.message_id
+    )
+
+
+def publish_framed(
+    stack: Stack, exchange: str, routing_key: str, body: bytes, headers: dict[str, Any], message_id: str
+) -> None:
+    """Publish ``body`` as a container (its content type, ``headers``), confirmed and mandatory."""
 
     async def go() -> None:
         connection = await aio_pika.connect(stack.settings.amqp_url)
         try:
             channel = await connection.channel(publisher_confirms=True)
-            exchange = await channel.get_exchange(NAMES.runs_exchange, ensure=False)
+            target = await channel.get_exchange(exchange, ensure=False)
             message = aio_pika.Message(
-                container.body,
-                headers=dict(container.headers),
-                message_id=container.message_id,
+                body,
+                headers=headers,
+                message_id=message_id,
                 content_type=batch.CONTENT_TYPE,
                 delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
             )
-            await exchange.publish(message, routing_key=shard, mandatory=True)
+            await target.publish(message, routing_key=routing_key, mandatory=True)
         finally:
             await connection.close()
 

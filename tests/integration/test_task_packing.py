@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import zlib
 from collections.abc import Iterator
+from typing import Any
 
 import aio_pika
 import pytest
@@ -24,7 +25,12 @@ from orchestrator.client import SyncClient
 from tests.faults.invariants import assert_no_violations, check_runs
 from tests.integration.stack import Stack, poll
 from tests.integration.test_metrics import metered, scrape, total
-from tests.integration.test_result_batching import assert_nothing_refused, run_bag, take_parked
+from tests.integration.test_result_batching import (
+    assert_nothing_refused,
+    publish_framed,
+    run_bag,
+    take_parked,
+)
 
 pytestmark = pytest.mark.services
 
@@ -83,9 +89,9 @@ def test_a_container_that_is_not_its_frames_is_parked_whole(stack: tuple[Stack, 
     s, _, _ = stack
     # Given a container on a task queue whose checksum does not match its body
     body = b"".join(len(p).to_bytes(4, "big") + p for p in (b'{"a":1}', b'{"b":2}'))
-    headers = {batch.BATCH_HEADER: 2, batch.CHECKSUM_HEADER: zlib.crc32(body) ^ 1}
+    headers: dict[str, Any] = {batch.BATCH_HEADER: 2, batch.CHECKSUM_HEADER: zlib.crc32(body) ^ 1}
     # When a worker takes it
-    publish_to_task_queue(s, RENDER, body, headers, "garbled-container")
+    publish_framed(s, NAMES.tasks_exchange, RENDER, body, headers, "garbled-container")
     # Then it is parked whole, with the reason, and nothing of it runs
     (parked,) = poll(lambda: take_parked(s), 20, what="the container parked")
     parked_body, parked_headers, message_id = parked
@@ -126,25 +132,3 @@ def give_back_one(stack: Stack, queue: str, timeout_s: float = 20.0) -> dict[str
             await connection.close()
 
     return asyncio.run(go())
-
-
-def publish_to_task_queue(
-    stack: Stack, queue: str, body: bytes, headers: dict[str, object], message_id: str
-) -> None:
-    async def go() -> None:
-        connection = await aio_pika.connect(stack.settings.amqp_url)
-        try:
-            channel = await connection.channel(publisher_confirms=True)
-            exchange = await channel.get_exchange(NAMES.tasks_exchange, ensure=False)
-            message = aio_pika.Message(
-                body,
-                headers=headers,  # type: ignore[arg-type]
-                message_id=message_id,
-                content_type=batch.CONTENT_TYPE,
-                delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
-            )
-            await exchange.publish(message, routing_key=queue, mandatory=True)
-        finally:
-            await connection.close()
-
-    asyncio.run(go())
