@@ -17,6 +17,7 @@ from typing import Any
 import aio_pika
 import pytest
 
+from orchestrator.bus import batch
 from orchestrator.bus.envelope import Envelope, decode
 from orchestrator.bus.names import Names
 from orchestrator.client import SyncClient
@@ -49,8 +50,8 @@ def client(stack: Stack) -> Iterator[SyncClient]:
 
 
 def take_tasks(stack: Stack, queue: str, count: int, timeout_s: float = 10.0) -> list[Envelope]:
-    """Take ``count`` tasks off a contract queue (acked: no worker will see them), verified like a worker
-    verifies them."""
+    """Take at least ``count`` tasks off a contract queue (acked: no worker will see them), opened and
+    verified like a worker opens and verifies them (a container holds several)."""
 
     async def go() -> list[Envelope]:
         connection = await aio_pika.connect(stack.settings.amqp_url)
@@ -70,7 +71,12 @@ def take_tasks(stack: Stack, queue: str, count: int, timeout_s: float = 10.0) ->
                 if message is None:
                     await asyncio.sleep(0.05)
                     continue
-                taken.append(decode(message.body, stack.signer, stack.settings.max_message_bytes))
+                limit = stack.settings.max_message_bytes
+                if batch.is_container(message.headers):  # a bag's item tasks packed together
+                    payloads = batch.unpack(message.body, message.headers or {}, limit)
+                else:
+                    payloads = [message.body]
+                taken += [decode(payload, stack.signer, limit) for payload in payloads]
                 await message.ack()
             return taken
         finally:
