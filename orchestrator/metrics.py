@@ -102,9 +102,15 @@ SHARD_CONTAINERS = Histogram(
 )
 WORKER_TASK_CONTAINERS = Histogram(
     "saga_worker_container_tasks",
-    "Tasks per container a worker received (a map's items_per_message packs a bag's item tasks); a task "
-    "sent alone is not counted.",
+    "Tasks per container a worker received (an orchestrator packs the tasks for one contract queue it "
+    "sends at once, SAGA_PACK_TASKS, or a map's items_per_message); a task sent alone is not counted.",
     buckets=_CONTAINER,
+)
+WORKER_TASKS_SPILLED = Counter(
+    "saga_worker_tasks_spilled",
+    "Tasks of a container a worker sent back to their queue one per message, as they found no free slot "
+    "in time (another worker may take them); by contract.",
+    ["contract"],
 )
 WORKER_CONTAINERS = Histogram(
     "saga_worker_container_reports",
@@ -262,8 +268,13 @@ def task_done(contract: str, *, ok: bool, cancelled: bool, seconds: float | None
 
 
 def tasks_packed(size: int) -> None:
-    """A worker received a container of ``size`` tasks (a bag's items packed by the orchestrator)."""
+    """A worker received a container of ``size`` tasks (packed by the orchestrator)."""
     WORKER_TASK_CONTAINERS.observe(size)
+
+
+def task_spilled(contract: str) -> None:
+    """A worker sent a packed task back to its queue alone: no slot came free in time."""
+    WORKER_TASKS_SPILLED.labels(contract).inc()
 
 
 def reports_batched(size: int) -> None:

@@ -9,6 +9,7 @@ import redis.asyncio as aioredis
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from orchestrator.bus.batch import DEFAULT_PACK_TASKS, MAX_PACKED_TASKS
 from orchestrator.bus.names import NAMESPACE_PATTERN, Names
 from orchestrator.compiler.limits import AdmissionLimits
 from orchestrator.dsl.expressions import ExpressionLimits
@@ -117,6 +118,14 @@ class Settings(BaseSettings):
         description="a worker sends the results (and acceptances, heartbeats) it finished in one event-loop "
         "turn for one shard in one message, each still signed and acked on its own; false: each alone. "
         "Orchestrators older than this release refuse such messages: upgrade them first",
+    )
+    pack_tasks: int = Field(
+        DEFAULT_PACK_TASKS,
+        ge=1,
+        le=MAX_PACKED_TASKS,
+        description="an orchestrator packs up to this many tasks for one contract queue, of those it sends "
+        "at once, into one message (each still signed, run and reported on its own); 1: each alone. Workers "
+        "older than this release cannot read such messages: upgrade them first",
     )
     serial_lease_ms: int = Field(
         15_000,

@@ -123,6 +123,8 @@ class WorkerRuntime:
     max_message_bytes: int = 1_048_576
     batch_results: bool = True  # one turn's reports for a shard in one message (workers/results.py)
     crash_points: frozenset[str] = frozenset()  # tests only: orchestrator/faults.py
+    # a packed task that finds no free slot within this long goes back to its queue alone (_spill)
+    spill_after_s: float = 1.0
     presence: Presence | None = None  # the live worker registry entry, kept while consuming
     clock_ms: Callable[[], int] = field(default=lambda: int(time.time() * 1000))
     _stopping: asyncio.Event = field(default_factory=asyncio.Event)
@@ -465,7 +467,11 @@ class WorkerRuntime:
             return
         logs.bind(**logs.envelope_ids(envelope))  # a task of its own: everything it logs is about this task
         turn = await self._wait_turn(envelope, serial, delivered)
-        if turn is None:  # the worker is stopping: the task goes back for another worker
+        if isinstance(turn, _Spill):
+            if await self._spill(publisher, delivered, envelope, settle):
+                return
+            turn = await self._wait_turn(envelope, serial, delivered, patient=True)
+        if turn is None or isinstance(turn, _Spill):  # the worker is stopping: the task goes back
             await settle.requeue()
             return
         try:
@@ -515,10 +521,13 @@ class WorkerRuntime:
         with TRACE.span("ack", [envelope.message_id]):
             await settle.ack()  # the result is confirmed: the task may be acked
 
-    async def _wait_turn(self, envelope: Envelope, serial: bool, delivered: _Delivered) -> Turn | None:
+    async def _wait_turn(
+        self, envelope: Envelope, serial: bool, delivered: _Delivered, *, patient: bool = False
+    ) -> Turn | _Spill | None:
         """Wait until this task may start: a free slot, and for a serial task the serial lane too. None
         when the worker gives its deliveries back first; a turn marked ``cancelled`` when the attempt was
-        cancelled first."""
+        cancelled first; ``_Spill`` for a packed task (unless ``patient``) that found no free slot within
+        ``spill_after_s``."""
         if self._giving_up:
             return None
         key = (envelope.run_id, envelope.stage or "", envelope.fence or "")
@@ -528,7 +537,13 @@ class WorkerRuntime:
         try:
             if serial:
                 return await self._wait_for_lane(envelope, give_up)
-            await self._slots.acquire()
+            if delivered.packed and not patient and self._slots.locked():
+                try:
+                    await asyncio.wait_for(self._slots.acquire(), self.spill_after_s)
+                except TimeoutError:
+                    return None if self._giving_up else _Spill()
+            else:
+                await self._slots.acquire()
             if self._giving_up:
                 self._slots.release()
                 return None
@@ -537,6 +552,28 @@ class WorkerRuntime:
             waiting.pop(id(delivered), None)
             if not waiting:
                 self._waiting.pop(key, None)
+
+    async def _spill(
+        self, publisher: Publisher, delivered: _Delivered, envelope: Envelope, settle: _Settles
+    ) -> bool:
+        """Send a packed task that found no free slot in time back to its queue alone (confirmed), where
+        any worker may take it, and count it settled in its container. A busy worker then neither holds
+        the task while others idle nor holds back its container's ack (a container is acked once every
+        task in it is settled: held long enough, the broker would take it back). False when it could not
+        be sent: the caller waits for a slot after all."""
+        message = delivered.message
+        if not _alive(message):
+            return False  # its container went back already: _handle sees that once it has a turn
+        try:
+            await publisher.publish_bytes(
+                delivered.body, envelope.message_id, message.exchange or "", message.routing_key or ""
+            )
+        except Exception as exc:
+            log.warning("could not send packed task %s back to its queue: %s", envelope.message_id, exc)
+            return False
+        metrics.task_spilled(envelope.contract or "")
+        await settle.ack()
+        return True
 
     async def _wait_for_lane(self, envelope: Envelope, give_up: asyncio.Event) -> Turn | None:
         if self.lane is None:
@@ -792,9 +829,14 @@ class _Delivered:
     body: bytes
 
     @property
+    def packed(self) -> bool:
+        """Whether it came in a container beside other tasks."""
+        return self.body is not self.message.body
+
+    @property
     def message_id(self) -> str:
         """Its AMQP message id; a packed task's is in its envelope (read only when tracing)."""
-        if self.body is self.message.body:
+        if not self.packed:
             return self.message.message_id or ""
         return _task_id(self.body) if TRACE.enabled else ""
 
@@ -828,6 +870,10 @@ class Outcome:
     value: Any
     retryable: bool = True
     cancelled: bool = False
+
+
+class _Spill:
+    """A packed task's answer from its wait for a turn: no slot came free in time; send it back alone."""
 
 
 class _Cancelled(Exception):

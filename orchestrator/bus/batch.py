@@ -1,5 +1,6 @@
-"""Containers: several signed messages for one shard in one AMQP message (a worker's reports of one
-event-loop turn), so the broker confirms, stores and delivers one message instead of many.
+"""Containers: several signed messages in one AMQP message (a worker's reports of one event-loop turn for
+one shard; an orchestrator's tasks for one contract queue), so the broker confirms, stores and delivers
+one message instead of many.
 
 The body is the concatenation of frames, each a 4-byte big-endian length and that many bytes of payload;
 every payload is exactly the bytes of one signed envelope as it would travel alone, with its own message
@@ -33,6 +34,10 @@ CONTENT_TYPE = "application/vnd.saga.batch"
 FRAME_BYTES = 4  # each payload's length prefix
 MAX_PAYLOAD_BYTES = 2**32 - 1  # what 4 bytes can say
 REASON = "malformed-batch"
+# Tasks for one contract queue an orchestrator packs into one container by default (``SAGA_PACK_TASKS``),
+# and at most: a worker holds a container's tasks until every one has reported.
+DEFAULT_PACK_TASKS = 16
+MAX_PACKED_TASKS = 100
 
 
 @dataclass(frozen=True)

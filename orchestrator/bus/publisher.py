@@ -68,7 +68,7 @@ def outgoing_from_payload(payload: Mapping[str, Any]) -> Outgoing:
 
 
 class _Pack:
-    """Item tasks for one contract queue that travel in one message, each signed on its own."""
+    """Tasks for one contract queue that travel in one message, each signed on its own."""
 
     def __init__(self, queue: str, contract: str) -> None:
         self.queue = queue
@@ -147,6 +147,7 @@ class Publisher:
         renew_with: Callable[[], Awaitable[AbstractChannel]] | None = None,
         patience_s: float = 0.0,
         max_message_bytes: int = 1_048_576,
+        pack_tasks: int = 1,
     ) -> None:
         """``declare_on`` opens a channel for declaring contract queues: the broker closes a channel whose
         declaration it refuses, which must not be the one a shard consumes and publishes on.
@@ -155,8 +156,13 @@ class Publisher:
         ``channel``. ``patience_s``: how long :meth:`publish_bytes` keeps retrying transient trouble
         (0: a few quick tries), for a publisher with nothing better to do with a refused message, such as
         a worker's result: a quorum queue electing a new leader nacks for seconds.
-        ``max_message_bytes``: the largest message its readers take (a pack of tasks stays within it)."""
+        ``max_message_bytes``: the largest message its readers take (a pack of tasks stays within it).
+        ``pack_tasks``: how many tasks for one contract queue, among those one call publishes, may travel
+        in one message (1: each alone); a map's ``items_per_message`` raises it for the map's items."""
+        if not 1 <= pack_tasks <= batch.MAX_PACKED_TASKS:
+            raise ValueError(f"pack_tasks is {pack_tasks}: give 1 to {batch.MAX_PACKED_TASKS}")
         self.channel = channel
+        self.pack_tasks = pack_tasks
         self.max_message_bytes = max_message_bytes
         self.patience_s = patience_s
         self.signer = signer
@@ -170,8 +176,8 @@ class Publisher:
         self._declared: dict[str, asyncio.Future[None]] = {}
 
     async def publish_all(self, messages: Iterable[Outgoing], now_ms: int) -> list[str]:
-        """Publish ``messages``; returns the ids the broker confirmed. A bag's item tasks that may share
-        a message (``bodies.per_message``) go to their queue packed, each still signed on its own."""
+        """Publish ``messages``; returns the ids the broker confirmed. Tasks for one contract queue go to
+        it packed (``pack_tasks``, or a bag's ``bodies.per_message``), each still signed on its own."""
         alone, packs = self._packed(messages, now_ms)
         units: list[list[Outgoing]] = [[m] for m in alone] + [p.messages for p in packs]
         if not units:
@@ -195,15 +201,21 @@ class Publisher:
         return confirmed
 
     def _packed(self, messages: Iterable[Outgoing], now_ms: int) -> tuple[list[Outgoing], list[_Pack]]:
-        """``messages`` split into those sent alone and packs of two or more item tasks, each pack for one
-        contract queue, of at most its tasks' ``per_message`` and at most ``max_message_bytes`` (what a
-        worker reads). Serial tasks always travel alone."""
+        """``messages`` split into those sent alone and packs of two or more tasks, each pack for one
+        contract queue, of at most ``pack_tasks`` (a bag's items: their ``per_message`` where larger) and
+        at most ``max_message_bytes`` (what a worker reads). Tasks of different runs share a pack: each
+        keeps its own envelope, and the worker settles the container once all have reported. Serial
+        tasks always travel alone (their queue hands out one task at a time)."""
         alone: list[Outgoing] = []
         packs: list[_Pack] = []
         filling: dict[tuple[str, str], _Pack] = {}
         for message in messages:
             kind, queue = message.route
-            per_message = bodies.per_message(message.body) if kind == "task" and queue != SERIAL_TASKS else 1
+            per_message = (
+                max(self.pack_tasks, bodies.per_message(message.body))
+                if kind == "task" and queue != SERIAL_TASKS
+                else 1
+            )
             if per_message == 1:
                 alone.append(message)
                 continue
@@ -222,7 +234,7 @@ class Publisher:
         return alone, [p for p in packs if len(p.messages) > 1]
 
     async def _publish_pack(self, pack: _Pack) -> None:
-        """Publish a pack of item tasks as one container."""
+        """Publish a pack of tasks as one container."""
         container = batch.pack(pack.payloads, pack.messages[0].message_id)
         if TRACE.enabled:  # each task's own hop, as if it had travelled alone
             for message in pack.messages:

@@ -89,6 +89,7 @@ class ShardOptions:
     prefetch: int = 64
     batch_max: int = 64
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    pack_tasks: int = containers.DEFAULT_PACK_TASKS  # tasks for one contract queue in one message, at most
     max_transition_bytes: int = DEFAULT_MAX_TRANSITION_BYTES
     bag_window: int = DEFAULT_BAG_WINDOW
     relay_interval_s: float = 5.0
@@ -311,6 +312,7 @@ class ShardService:
             group_size=self.options.quorum_group_size,
             renew_with=self._untracked_channel,
             max_message_bytes=self.options.max_message_bytes,
+            pack_tasks=self.options.pack_tasks,
         )
         # Passive: a shard queue that is not there (retired, or no topology applied) is an error here.
         queue = await channel.declare_queue(self.options.names.shard_queue(shard), passive=True)

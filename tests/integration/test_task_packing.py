@@ -6,12 +6,16 @@ its own and settles the message once every one of them has reported.
   the worker received its tasks in containers, and every item ran its effect once;
 - a container delivered again (its first delivery was given back unacked) is split by the worker into one
   message per task, and its run completes, each item's effect still once;
-- a container that is not exactly its frames is parked whole on the rejected queue with the reason.
+- a container that is not exactly its frames is parked whole on the rejected queue with the reason;
+- tasks of different runs for one contract queue, sent at once, share a container (``SAGA_PACK_TASKS``),
+  and every run completes with each effect once;
+- a packed task that finds no free slot in time goes back to its queue alone (spilled), and runs once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 import zlib
 from collections.abc import Iterator
 from typing import Any
@@ -24,7 +28,7 @@ from orchestrator.bus.names import Names
 from orchestrator.client import SyncClient
 from tests.faults.invariants import assert_no_violations, check_runs
 from tests.integration.stack import Stack, poll
-from tests.integration.test_metrics import metered, scrape, total
+from tests.integration.test_metrics import free_port, metered, scrape, total
 from tests.integration.test_result_batching import (
     assert_nothing_refused,
     publish_framed,
@@ -102,7 +106,77 @@ def test_a_container_that_is_not_its_frames_is_parked_whole(stack: tuple[Stack, 
     poll(lambda: s.queue_depths().get(RENDER, 0) == 0, 20, what="the container acked")
 
 
+LOOKUP = NAMES.task_queue("tasks.actions", "cache.lookup@1")
+
+
+def start_while_nothing_consumes(s: Stack, tag: str, count: int) -> list[str]:
+    """Start ``count`` model-ingest runs while no orchestrator and no worker runs, then start the
+    orchestrator: each shard takes its starts in one batch, so the runs' first tasks (one cache lookup
+    each) leave in containers, which wait on the lookup queue as no worker runs."""
+    s.stop("worker")
+    s.stop("orchestrator")
+    with SyncClient(s.settings) as client:
+        run_ids = [client.start("model-ingest", {"modelId": f"{tag}-{i}"}) for i in range(count)]
+    s.start_orchestrator("orchestrator")
+    poll(lambda: s.queue_depths().get(LOOKUP, 0) > 0, 30, what="the runs' lookups dispatched")
+    return run_ids
+
+
+def test_tasks_of_different_runs_share_a_container_and_each_runs_once(
+    stack: tuple[Stack, int, int],
+) -> None:
+    s, _, _ = stack
+    # Given 40 runs whose first tasks were dispatched together (10 or so to each of the fast shards)
+    run_ids = start_while_nothing_consumes(s, "across", 40)
+    poll(lambda: all(s.record(r).get("status") for r in run_ids), 30, what="every run started")
+    depth = poll(lambda: settled_depth(s, LOOKUP), 30, what="the lookups all dispatched")
+    # Then the lookup queue holds fewer messages than lookups: some hold the lookups of several runs
+    assert depth < len(run_ids), depth
+    # When a worker runs, Then every run completes, each effect once, nothing refused
+    s.start_worker("worker")
+    for run_id in run_ids:
+        assert s.wait_finished(run_id, timeout_s=60)["status"] == "completed", run_id
+    assert_no_violations(check_runs(s.redis, s.prefix, run_ids), "the shared invariants")
+    assert_nothing_refused(s)
+
+
+def test_a_packed_task_with_no_free_slot_in_time_goes_back_alone_and_runs_once(
+    stack: tuple[Stack, int, int],
+) -> None:
+    s, _, _ = stack
+    # Given runs whose lookups take 1.5 s each, dispatched together in containers
+    models = [f"spill-{i}" for i in range(8)]
+    for model in models:
+        s.world.set_fault(model, "cache.lookup", delay_ms=1500)
+    run_ids = start_while_nothing_consumes(s, "spill", len(models))
+    # When a worker with one slot takes them (it starts one lookup; the others wait for the slot)
+    port = free_port()
+    s.start_worker("worker", "--concurrency", "1", "--metrics-port", str(port))
+    # Then those that waited over a second went back to the queue one per message
+    spilled = poll(
+        lambda: total(scrape(port) or [], "saga_worker_tasks_spilled_total", contract="cache.lookup@1"),
+        30,
+        what="a packed lookup spilled",
+    )
+    assert spilled >= 1
+    # and every run completes, each lookup's effect once, nothing refused
+    for run_id in run_ids:
+        assert s.wait_finished(run_id, timeout_s=90)["status"] == "completed", run_id
+    assert_no_violations(check_runs(s.redis, s.prefix, run_ids), "the shared invariants")
+    assert_nothing_refused(s)
+    assert "could not send packed task" not in s.log("worker")  # each spilled task went back
+    s.stop("worker")
+    s.start_worker("worker")
+
+
 # ---- helpers -----------------------------------------------------------------------------------------
+
+
+def settled_depth(stack: Stack, queue: str) -> int | None:
+    """The depth of ``queue`` once it is the same, and not 0, twice half a second apart (else None)."""
+    first = stack.queue_depths().get(queue, 0)
+    time.sleep(0.5)
+    return first if first and stack.queue_depths().get(queue, 0) == first else None
 
 
 def give_back_one(stack: Stack, queue: str, timeout_s: float = 20.0) -> dict[str, object]:

@@ -8,6 +8,8 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from orchestrator.bus import batch
 from orchestrator.bus.envelope import Signer, decode
 from orchestrator.bus.names import Names
@@ -72,8 +74,28 @@ def item(i: int, *, per_message: int = 3, contract: str = "thumbnail.render@3", 
     return Outgoing(f"task-{i}", Kind.TASK, ("task", "tasks.parallel"), body)
 
 
-def publisher(max_bytes: int = 1_048_576) -> Publisher:
-    return Publisher(None, SIGNER, Names(), max_message_bytes=max_bytes)  # type: ignore[arg-type]
+def publisher(max_bytes: int = 1_048_576, pack_tasks: int = 1) -> Publisher:
+    return Publisher(  # type: ignore[arg-type]
+        None, SIGNER, Names(), max_message_bytes=max_bytes, pack_tasks=pack_tasks
+    )
+
+
+def task(run: int, stage: str = "render", queue: str = "tasks.parallel") -> Outgoing:
+    """A plain (not a bag's) task of run ``run``."""
+    body = bodies.task(
+        run_id=f"run-{run}",
+        shard="fast.0",
+        stage=stage,
+        attempt=1,
+        fence="1.1",
+        item=None,
+        contract="model.render@1",
+        digest="sha256:x",
+        tenant="default",
+        payload={"modelId": f"m-{run}"},
+        idempotency_key=f"{run}-{stage}",
+    )
+    return Outgoing(f"task-{run}-{stage}", Kind.TASK, ("task", queue), body)
 
 
 def test_packs_hold_at_most_their_tasks_number_per_contract_queue_each_task_signed_alone() -> None:
@@ -109,6 +131,37 @@ def test_a_pack_stays_within_the_message_size_its_reader_takes() -> None:
         container = batch.pack(pack.payloads, pack.messages[0].message_id)
         assert len(container.body) <= limit
         assert len(batch.unpack(container.body, container.headers, limit)) == len(pack.messages)
+
+
+def test_tasks_of_many_runs_for_one_contract_queue_share_packs_of_at_most_pack_tasks() -> None:
+    plain = [task(r) for r in range(7)]
+    elsewhere = [task(r, queue="gpu") for r in (10, 11)]
+    serial = [task(r, queue="tasks.serial") for r in (20, 21)]
+    bag = [item(i, per_message=5) for i in range(5)]  # a map's own setting, larger, counts for its items
+    alone, packs = publisher(pack_tasks=3)._packed([*plain, *elsewhere, *serial, *bag], 0)
+    assert [[m.message_id for m in p.messages] for p in packs] == [
+        ["task-0-render", "task-1-render", "task-2-render"],
+        ["task-3-render", "task-4-render", "task-5-render"],
+        ["task-10-render", "task-11-render"],
+        [f"task-{i}" for i in range(5)],
+    ]
+    assert [m.message_id for m in alone] == ["task-20-render", "task-21-render", "task-6-render"]
+    for pack in packs:  # each task as it would travel alone, under its own run's identity
+        container = batch.pack(pack.payloads, pack.messages[0].message_id)
+        opened = batch.unpack(container.body, container.headers, 1_048_576)
+        runs = [decode(payload, SIGNER, 1_048_576).run_id for payload in opened]
+        assert runs == [m.body["run_id"] for m in pack.messages]
+
+
+def test_pack_tasks_of_one_sends_every_plain_task_alone() -> None:
+    alone, packs = publisher(pack_tasks=1)._packed([task(r) for r in range(4)], 0)
+    assert packs == [] and len(alone) == 4
+
+
+def test_a_pack_size_out_of_range_is_refused_with_the_range() -> None:
+    for wrong in (0, batch.MAX_PACKED_TASKS + 1):
+        with pytest.raises(ValueError, match=f"pack_tasks is {wrong}: give 1 to {batch.MAX_PACKED_TASKS}"):
+            publisher(pack_tasks=wrong)
 
 
 class Settled:
