@@ -33,9 +33,8 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from orchestrator import jsontext
 from orchestrator.engine import door, liveness, nudge, outputs, redrive
-from orchestrator.engine.builder import dumps, rejected
+from orchestrator.engine.builder import dumps, rejected, result_text
 from orchestrator.engine.model import (
     ACTIVE_STAGE_STATUSES,
     FENCED_OFF,
@@ -261,18 +260,10 @@ def _map_item(step: Step, stage: Bag, rec: StageRecord, event: StageResult) -> D
         Key("barrier", event.stage),
         str(event.item),
         release,
-        result=_result_text(event.result),
+        result=result_text(event.result),
         refill=_refill_due(step, event.stage, rec),
     )
     return step.decision()
-
-
-def _result_text(result: Any) -> str:
-    """An item's result as the bag keeps it, read back only as JSON (``ordered_items``): orjson's text,
-    unless it holds a null, where a non-finite number may hide (orjson writes NaN as null); that text is
-    the standard library's, as every other stored result's."""
-    text = jsontext.dumps(result, sort_keys=True)
-    return dumps(result) if "null" in text else text
 
 
 def _refill_due(step: Step, name: str, rec: StageRecord) -> Refill | None:

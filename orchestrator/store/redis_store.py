@@ -91,6 +91,10 @@ class ApplyResult:
         return self.code == APPLIED
 
 
+#: Runs whose transition KEYS the store keeps built (then it starts again): a few MB at most.
+TRANSITION_KEYS_KEPT = 8192
+
+
 @dataclass
 class RedisStore:
     client: aioredis.Redis
@@ -99,9 +103,24 @@ class RedisStore:
     _plans: dict[str, dict[str, Any]] = field(default_factory=dict)
     _typed_plans: dict[str, Plan] = field(default_factory=dict)
     _plan_versions: dict[str, dict[str, str]] = field(default_factory=dict)
+    # the KEYS of recent runs' transitions: a run makes several in a few seconds, each naming the same keys
+    _transition_keys: dict[tuple[str, str, tuple[str, ...], tuple[str, ...]], tuple[str, ...]] = field(
+        default_factory=dict
+    )
 
     def keys(self, shard: str) -> ShardKeys:
         return ShardKeys(self.prefix, shard)
+
+    def _keys_of(self, shard: str, run_id: str, plan: Plan) -> list[str]:
+        """``ShardKeys.transition_keys`` of a run, built once while the run is recent."""
+        key = (shard, run_id, plan.barriers, plan.bags)
+        found = self._transition_keys.get(key)
+        if found is None:
+            if len(self._transition_keys) >= TRANSITION_KEYS_KEPT:
+                self._transition_keys.clear()
+            found = tuple(self.keys(shard).transition_keys(run_id, plan.barriers, plan.bags))
+            self._transition_keys[key] = found
+        return list(found)
 
     async def load_library(self) -> None:
         await load_function_library(self.client, library_source())
@@ -247,7 +266,7 @@ class RedisStore:
             retention_ms=self.retention_ms,
             bags=plan.bags,
         )
-        keys = self.keys(shard).transition_keys(run_id, plan.barriers, plan.bags)
+        keys = self._keys_of(shard, run_id, plan)
         if changes_status(decision):
             spec.body["index"], facets = index_spec(
                 self.keys(shard), run_id, plan.name, plan.version, len(keys) + 1

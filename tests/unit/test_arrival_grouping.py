@@ -7,7 +7,8 @@ from __future__ import annotations
 import json
 import math
 
-from orchestrator.engine import _result_text, advance
+from orchestrator.engine import advance
+from orchestrator.engine.builder import result_text
 from orchestrator.engine.model import StageResult
 from orchestrator.engine.plan import typed_plan
 from orchestrator.store.redis_store import ARRIVE_MANY, MAX_ARRIVALS_PER_CALL, _grouped
@@ -73,5 +74,5 @@ def test_an_item_result_is_kept_as_text_that_reads_back_to_it() -> None:
     value = {"thumbnailUri": "thumbs/é-1e-05.png"}
     assert json.loads(kept_text(value)) == value
     # a non-finite number is not written as null (as orjson would): it reads back as it came
-    back = json.loads(_result_text({"score": math.nan, "other": None, "size": 1e-05}))
+    back = json.loads(result_text({"score": math.nan, "other": None, "size": 1e-05}))
     assert math.isnan(back["score"]) and back["other"] is None and back["size"] == 1e-05
