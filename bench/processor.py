@@ -19,14 +19,13 @@ import time
 import uuid
 from pathlib import Path
 
-import redis.asyncio as aioredis
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from orchestrator.bus.envelope import Envelope
 from orchestrator.bus.publisher import envelope_for, outgoing_from_payload
 from orchestrator.client import start_envelope
 from orchestrator.shard.processor import Processor
+from orchestrator.store.connect import async_client
 from orchestrator.store.redis_store import RedisStore
 from tests.integration.stack import publish_active
 from tests.integration.test_nudge_race import REDIS_URL, SHARD, SIGNER, report
@@ -34,7 +33,7 @@ from tests.unit.test_engine import compiled
 
 
 async def one_sitting(runs: int, batch: int) -> dict[str, float]:
-    client = aioredis.Redis.from_url(REDIS_URL, decode_responses=True)
+    client = async_client(REDIS_URL, decode_responses=True)  # as the orchestrator connects
     store = RedisStore(client, prefix=f"sagabenchproc{uuid.uuid4().hex[:8]}")
     processor = Processor(store, lambda: int(time.time() * 1000))
     cpu = wall = 0.0

@@ -25,9 +25,17 @@ from redis.asyncio.cluster import ClusterNode as AsyncClusterNode
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.asyncio.connection import Connection
 from redis.cluster import ClusterNode, RedisCluster
+from redis.connection import HiredisRespSerializer
 from redis.exceptions import ClusterError, RedisClusterException, TryAgainError
 
 from orchestrator.errors import SagaError
+
+try:  # hiredis 3 has the packer redis-py uses; an older one only parses
+    from hiredis import pack_command as _hiredis_pack
+
+    HIREDIS_PACKS = callable(_hiredis_pack)
+except ImportError:
+    HIREDIS_PACKS = False
 
 CLUSTER_SCHEMES = {"redis+cluster": False, "rediss+cluster": True}  # scheme -> TLS
 #: What "Redis is unreachable" may look like: a cluster client that reaches no node, or cannot map a slot
@@ -139,11 +147,25 @@ class _ClusterClient(AsyncRedisCluster):
             raise TryAgainError(f"slot still moving after every retry: {exc}") from exc
 
 
+class _HiredisPackedConnection(Connection):
+    """A plain TCP connection that writes commands with hiredis's C packer. redis-py's blocking client
+    does so when hiredis is installed; its asyncio connection packs every argument in Python, which was
+    the largest single cost of an orchestrator's transition calls (each FCALL names a dozen keys)."""
+
+    _packer = HiredisRespSerializer()
+
+    def pack_command(self, *args: Any) -> list[bytes]:
+        return cast(list[bytes], self._packer.pack(*args))
+
+
 def async_client(url: str, **options: Any) -> aioredis.Redis:
     """An asyncio client for ``url``: a ``RedisCluster`` for a cluster URL (typed as ``Redis``: it
     answers the same commands; see :class:`_ClusterClient`), else ``Redis.from_url``. ``options`` go
-    to every connection."""
+    to every connection. A ``redis://`` connection packs commands with hiredis where it can; TLS and
+    Unix-socket URLs keep the connection class redis-py picks for them."""
     if not is_cluster_url(url):
+        if url.partition("://")[0].lower() == "redis" and HIREDIS_PACKS:
+            options = {"connection_class": _HiredisPackedConnection, **options}
         return aioredis.Redis.from_url(url, **options)
     parsed = parse_cluster_url(url)
     nodes = [AsyncClusterNode(host, port) for host, port in parsed.nodes]

@@ -5,11 +5,14 @@ from __future__ import annotations
 import pytest
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.connection import SSLConnection, UnixDomainSocketConnection
+from redis.exceptions import DataError
 
 from orchestrator.durability import redis_location
 from orchestrator.settings import Settings, redis_client
 from orchestrator.store.connect import (
     BadRedisUrl,
+    _HiredisPackedConnection,
     async_client,
     is_cluster,
     is_cluster_url,
@@ -54,3 +57,25 @@ def test_settings_give_a_cluster_client_for_a_cluster_url_and_a_plain_one_otherw
 def test_messages_name_a_cluster_by_its_nodes_never_its_password() -> None:
     assert redis_location("redis+cluster://u:pw@h1:7000,h2:7001") == "cluster h1:7000,h2:7001"
     assert redis_location("redis+cluster://") == "<unparseable SAGA_REDIS_URL>"
+
+
+def test_a_plain_redis_url_packs_commands_with_hiredis_as_redis_py_would_in_python() -> None:
+    client = async_client("redis://127.0.0.1:6379/0")
+    connection_class = client.connection_pool.connection_class
+    assert connection_class is _HiredisPackedConnection
+    packed = connection_class(host="127.0.0.1", port=6379)
+    python = aioredis.Connection(host="127.0.0.1", port=6379)
+    for command in (
+        ("FCALL", "saga_transition", 2, "saga:{fast.0}:run:r", b"raw", '{"mid":"m","é":1.5}'),
+        ("FUNCTION LOAD", "REPLACE", "#!lua name=saga"),  # a command of two words goes as two
+        ("HSET", "k", "f", 12345678901234567890),
+    ):
+        assert b"".join(packed.pack_command(*command)) == b"".join(python.pack_command(*command)), command
+    with pytest.raises(DataError):  # as redis-py refuses a value it cannot send
+        packed.pack_command("SET", "k", None)
+
+
+def test_tls_and_socket_urls_keep_the_connection_class_redis_py_picks() -> None:
+    assert async_client("rediss://127.0.0.1:6380/0").connection_pool.connection_class is SSLConnection
+    unix = async_client("unix:///tmp/redis.sock").connection_pool.connection_class
+    assert unix is UnixDomainSocketConnection
