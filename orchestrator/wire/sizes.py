@@ -8,7 +8,7 @@ again, key id, signature) is bounded, and :data:`ENVELOPE_MARGIN_BYTES` covers i
 
 from __future__ import annotations
 
-import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -66,11 +66,13 @@ def body_bytes(body: Mapping[str, Any]) -> int:
 def too_big(body: Mapping[str, Any], limits: Limits) -> str | None:
     """Why ``body`` cannot be sent (None: it can): it is not JSON, or too large once serialised as the
     publisher does it. NaN and infinities are not JSON (the publisher's encoder would write them as null,
-    a value the sender never meant), so they are refused here by the standard library's strict check."""
+    a value the sender never meant), so they are refused here."""
     try:
         text = canonical_bytes(body)  # a lone surrogate has no UTF-8 form: a ValueError here
-        if b"null" in text:  # NaN and infinities come out as null: only then is the strict check needed
-            json.dumps(body, allow_nan=False)
+        # orjson writes NaN and infinities as null; the standard library, which encodes what orjson
+        # refuses, writes them as NaN and Infinity: only where one of those shows can there be one
+        if b"null" in text or b"NaN" in text or b"Infinity" in text:
+            _refuse_non_finite(body)
     except (TypeError, ValueError) as exc:
         return f"it is not valid JSON ({exc})"
     size = len(text)
@@ -81,6 +83,22 @@ def too_big(body: Mapping[str, Any], limits: Limits) -> str | None:
         f"message body (SAGA_MAX_MESSAGE_BYTES {limits.max_message_bytes:,} less "
         f"{ENVELOPE_MARGIN_BYTES} for the envelope)"
     )
+
+
+def _refuse_non_finite(value: Any) -> None:
+    """Raise ValueError, as the standard library's strict encoder does, for a NaN or an infinity anywhere
+    in ``value``. A walk of the values: a task body holds nulls of its own (a stage without a heartbeat),
+    and encoding it again with the standard library only to look for them cost more than the walk."""
+    pending = [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, float):
+            if not math.isfinite(item):
+                raise ValueError(f"Out of range float values are not JSON compliant: {item!r}")
+        elif isinstance(item, Mapping):
+            pending.extend(item.values())
+        elif isinstance(item, list | tuple):
+            pending.extend(item)
 
 
 def bounded(text: str, limit: int = MAX_ERROR_CHARS) -> str:
