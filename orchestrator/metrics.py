@@ -108,8 +108,8 @@ WORKER_TASK_CONTAINERS = Histogram(
 )
 WORKER_TASKS_SPILLED = Counter(
     "saga_worker_tasks_spilled",
-    "Tasks of a container a worker sent back to their queue one per message, as they found no free slot "
-    "in time (another worker may take them); by contract.",
+    "Tasks of a container a worker sent back to their queue one per message, for another worker: they "
+    "found no free slot within a second, or the worker was stopping (or could not report them); by contract.",
     ["contract"],
 )
 WORKER_CONTAINERS = Histogram(
@@ -273,7 +273,7 @@ def tasks_packed(size: int) -> None:
 
 
 def task_spilled(contract: str) -> None:
-    """A worker sent a packed task back to its queue alone: no slot came free in time."""
+    """A worker sent a packed task back to its queue alone (no slot came free in time, or it stops)."""
     WORKER_TASKS_SPILLED.labels(contract).inc()
 
 

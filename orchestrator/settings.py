@@ -124,8 +124,8 @@ class Settings(BaseSettings):
         ge=1,
         le=MAX_PACKED_TASKS,
         description="an orchestrator packs up to this many tasks for one contract queue, of those it sends "
-        "at once, into one message (each still signed, run and reported on its own); 1: each alone. Workers "
-        "older than this release cannot read such messages: upgrade them first",
+        "at once, into one message (each still signed, run and reported on its own); 1: each alone. Upgrade "
+        "the workers before the orchestrators: older ones cannot read such messages, or hold them too long",
     )
     serial_lease_ms: int = Field(
         15_000,

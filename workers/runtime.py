@@ -472,7 +472,7 @@ class WorkerRuntime:
                 return
             turn = await self._wait_turn(envelope, serial, delivered, patient=True)
         if turn is None or isinstance(turn, _Spill):  # the worker is stopping: the task goes back
-            await settle.requeue()
+            await self._give_back(publisher, delivered, envelope, settle)
             return
         try:
             if not _alive(message):
@@ -487,10 +487,15 @@ class WorkerRuntime:
         finally:
             if not turn.handed_over:  # no handler runs on it: give it back now
                 turn.finished()
-        await self._report_result(publisher, envelope, outcome, settle)
+        await self._report_result(publisher, delivered, envelope, outcome, settle)
 
     async def _report_result(
-        self, publisher: Publisher, envelope: Envelope, outcome: Outcome, settle: _Settles
+        self,
+        publisher: Publisher,
+        delivered: _Delivered,
+        envelope: Envelope,
+        outcome: Outcome,
+        settle: _Settles,
     ) -> None:
         """Send the attempt's result to its run's shard; settle the task once the result is safe."""
         result = self._result(envelope, outcome)
@@ -516,7 +521,7 @@ class WorkerRuntime:
                 envelope.stage,
                 envelope.run_id,
             )
-            await settle.requeue()
+            await self._give_back(publisher, delivered, envelope, settle)
             return
         with TRACE.span("ack", [envelope.message_id]):
             await settle.ack()  # the result is confirmed: the task may be acked
@@ -538,10 +543,15 @@ class WorkerRuntime:
             if serial:
                 return await self._wait_for_lane(envelope, give_up)
             if delivered.packed and not patient and self._slots.locked():
-                try:
-                    await asyncio.wait_for(self._slots.acquire(), self.spill_after_s)
+                try:  # a timer on this task, not a task of its own as wait_for makes: many tasks wait here
+                    async with asyncio.timeout(self.spill_after_s):
+                        await self._slots.acquire()
                 except TimeoutError:
-                    return None if self._giving_up else _Spill()
+                    if self._giving_up:
+                        return None
+                    if key in self._cancelled:  # asked while it waited: reported so, not sent on
+                        return Turn(self, None, False, cancelled=True)
+                    return _Spill()
             else:
                 await self._slots.acquire()
             if self._giving_up:
@@ -559,11 +569,12 @@ class WorkerRuntime:
         """Send a packed task that found no free slot in time back to its queue alone (confirmed), where
         any worker may take it, and count it settled in its container. A busy worker then neither holds
         the task while others idle nor holds back its container's ack (a container is acked once every
-        task in it is settled: held long enough, the broker would take it back). False when it could not
-        be sent: the caller waits for a slot after all."""
+        task in it is settled: held long enough, the broker would take it back). True too when its
+        channel closed (the broker took the container back: nothing is left to settle); False when it
+        could not be sent: the caller waits for a slot after all."""
         message = delivered.message
         if not _alive(message):
-            return False  # its container went back already: _handle sees that once it has a turn
+            return True
         try:
             await publisher.publish_bytes(
                 delivered.body, envelope.message_id, message.exchange or "", message.routing_key or ""
@@ -574,6 +585,16 @@ class WorkerRuntime:
         metrics.task_spilled(envelope.contract or "")
         await settle.ack()
         return True
+
+    async def _give_back(
+        self, publisher: Publisher, delivered: _Delivered, envelope: Envelope, settle: _Settles
+    ) -> None:
+        """Give a task back for another worker: a packed one alone to its queue, so that its container is
+        acked once its other tasks have reported (given back whole, it would make them run again, tasks
+        of other runs among them); else, or if that cannot be sent, its delivery back to the queue."""
+        if delivered.packed and await self._spill(publisher, delivered, envelope, settle):
+            return
+        await settle.requeue()
 
     async def _wait_for_lane(self, envelope: Envelope, give_up: asyncio.Event) -> Turn | None:
         if self.lane is None:

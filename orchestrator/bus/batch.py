@@ -35,7 +35,7 @@ FRAME_BYTES = 4  # each payload's length prefix
 MAX_PAYLOAD_BYTES = 2**32 - 1  # what 4 bytes can say
 REASON = "malformed-batch"
 # Tasks for one contract queue an orchestrator packs into one container by default (``SAGA_PACK_TASKS``),
-# and at most: a worker holds a container's tasks until every one has reported.
+# and at most: a worker acks a container once each of its tasks has reported or been sent back alone.
 DEFAULT_PACK_TASKS = 16
 MAX_PACKED_TASKS = 100
 

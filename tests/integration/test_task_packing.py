@@ -151,6 +151,7 @@ def test_a_packed_task_with_no_free_slot_in_time_goes_back_alone_and_runs_once(
     run_ids = start_while_nothing_consumes(s, "spill", len(models))
     # When a worker with one slot takes them (it starts one lookup; the others wait for the slot)
     port = free_port()
+    logged_before = len(s.log("worker"))
     s.start_worker("worker", "--concurrency", "1", "--metrics-port", str(port))
     # Then those that waited over a second went back to the queue one per message
     spilled = poll(
@@ -164,7 +165,10 @@ def test_a_packed_task_with_no_free_slot_in_time_goes_back_alone_and_runs_once(
         assert s.wait_finished(run_id, timeout_s=90)["status"] == "completed", run_id
     assert_no_violations(check_runs(s.redis, s.prefix, run_ids), "the shared invariants")
     assert_nothing_refused(s)
-    assert "could not send packed task" not in s.log("worker")  # each spilled task went back
+    # and every container was acked, not given back whole and split (its tasks would then run again)
+    logged = s.log("worker")[logged_before:]
+    assert "could not send packed task" not in logged and "came back" not in logged, logged[-2000:]
+    poll(lambda: s.queue_depths().get(LOOKUP, 0) == 0, 20, what="the lookup queue empty and acked")
     s.stop("worker")
     s.start_worker("worker")
 
