@@ -48,6 +48,7 @@ from bench.stack import (  # noqa: E402
     rabbitmqctl,
     service_pids,
 )
+from orchestrator.bus.batch import DEFAULT_PACK_TASKS  # noqa: E402
 from orchestrator.client import Client  # noqa: E402
 from orchestrator.store.connect import async_client  # noqa: E402
 from orchestrator.store.keys import ShardKeys, index_key  # noqa: E402
@@ -329,6 +330,9 @@ async def bench_wide(client: Client, watcher: Watcher, meter: Meter, args: argpa
             state=document["state"],
             count=(document["output"] or {}).get("count"),
             items_per_message=items_per_message(args),
+            pack_tasks=int(os.environ.get("SAGA_PACK_TASKS", DEFAULT_PACK_TASKS))
+            if args.pack_tasks is None
+            else args.pack_tasks,
             cpu_s=cpu,
         )
         if live is not None:
@@ -403,6 +407,7 @@ def environment(
         "worker_concurrency": args.worker_concurrency,
         "shard_count": args.shard_count,
         "shard_classes": list(stack.settings.shard_classes),
+        "pack_tasks": int(stack.env.get("SAGA_PACK_TASKS", DEFAULT_PACK_TASKS)),
         "loadavg_1m_before": round(load_before, 2),
         "loadavg_1m_after": round(os.getloadavg()[0], 2),
         "cpu_s": cpu,
@@ -429,6 +434,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="the bag's items_per_message (1-100; default: as definitions/thumbnail-batch.yaml has it)",
     )
+    p.add_argument(
+        "--pack-tasks",
+        type=int,
+        default=None,
+        help="the orchestrators' SAGA_PACK_TASKS (1: every task alone, as the peers send them; default: "
+        "the setting's default, or the environment's)",
+    )
     p.add_argument("--latency", type=int, default=20, help="single runs one after another (0: skip)")
     p.add_argument("--orchestrators", type=int, default=1, help="orchestrator processes")
     p.add_argument("--workers", type=int, default=1, help="worker processes")
@@ -445,7 +457,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     load_before = os.getloadavg()[0]
     git = git_state()  # before the processes start: the code they load
-    stack = BenchStack(args.shard_count, args.items_per_message)
+    stack = BenchStack(args.shard_count, args.items_per_message, args.pack_tasks)
     print(f"bench stack: vhost {stack.vhost}, key prefix {stack.prefix}, logs {stack.logs}", file=sys.stderr)
     try:
         stack.setup()

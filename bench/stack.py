@@ -72,9 +72,14 @@ class BenchStack(Stack):
     """The tests' isolated stack (tests/integration/stack.py) with the benchmark's names, shard count and
     no-op handlers, plus several orchestrators or workers and CPU and hang reporting."""
 
-    def __init__(self, shard_count: int, items_per_message: int | None = None) -> None:
+    def __init__(
+        self, shard_count: int, items_per_message: int | None = None, pack_tasks: int | None = None
+    ) -> None:
         # no-op handlers (SAGA_DEMO_EFFECTS=0), like the peers' tasks
-        super().__init__("", family="bench", shard_count=shard_count, env={"SAGA_DEMO_EFFECTS": "0"})
+        env = {"SAGA_DEMO_EFFECTS": "0"}
+        if pack_tasks is not None:
+            env["SAGA_PACK_TASKS"] = str(pack_tasks)
+        super().__init__("", family="bench", shard_count=shard_count, env=env)
         self.shard_count = shard_count
         self.items_per_message = items_per_message
 
