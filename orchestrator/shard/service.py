@@ -431,10 +431,13 @@ class ShardService:
         for _ in range(
             8
         ):  # a release can cause another (nested joins); bounded, the rest goes via the broker
-            local = [m for m in outgoing if m.route == ("shard", shard) and m.kind in _LOCAL_KINDS]
+            here = ("shard", shard)
+            local = [m for m in outgoing if m.route == here and m.kind in _LOCAL_KINDS]
             if not local:
                 break
-            outgoing = [m for m in outgoing if m not in local]
+            # told apart by identity: comparing the entries by value compared their bodies, for each pair
+            taken = {id(m) for m in local}
+            outgoing = [m for m in outgoing if id(m) not in taken]
             envelopes = [envelope_for(m, self.signer, self.clock_ms()) for m in local]
             async with asyncio.timeout(self.options.redis_timeout_s):
                 outcomes = await self.processor.handle_batch(shard, envelopes)
