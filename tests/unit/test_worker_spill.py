@@ -11,6 +11,7 @@ from typing import Any
 
 from orchestrator.bus.envelope import Envelope, Signer
 from orchestrator.wire.kinds import Kind
+from tests.unit.test_task_packing import Settled
 from workers.runtime import Turn, WorkerRuntime, _Delivered, _Spill
 
 QUEUE = "saga.task.tasks.parallel:render@1"
@@ -41,17 +42,6 @@ class Publisher:
         if self.fail:
             raise ConnectionError("the broker is away")
         self.sent.append((body, message_id, exchange, key))
-
-
-class Settle:
-    def __init__(self) -> None:
-        self.calls: list[str] = []
-
-    async def ack(self) -> None:
-        self.calls.append("ack")
-
-    async def requeue(self) -> None:
-        self.calls.append("requeue")
 
 
 def runtime(concurrency: int = 1) -> WorkerRuntime:
@@ -136,7 +126,7 @@ def test_a_stopping_worker_gives_its_waiting_packed_task_back() -> None:
 
 def test_spilling_sends_the_tasks_own_bytes_to_its_queue_then_settles_its_part() -> None:
     async def go() -> None:
-        worker, publisher, settle = runtime(), Publisher(), Settle()
+        worker, publisher, settle = runtime(), Publisher(), Settled()
         task = packed()
         assert await worker._spill(publisher, task, TASK, settle)  # type: ignore[arg-type]
         assert publisher.sent == [(task.body, "task-7", "saga.tasks", QUEUE)]
@@ -147,7 +137,7 @@ def test_spilling_sends_the_tasks_own_bytes_to_its_queue_then_settles_its_part()
 
 def test_a_spill_the_broker_refuses_leaves_the_task_unsettled_to_wait_for_a_slot() -> None:
     async def go() -> None:
-        worker, settle = runtime(), Settle()
+        worker, settle = runtime(), Settled()
         assert not await worker._spill(Publisher(fail=True), packed(), TASK, settle)  # type: ignore[arg-type]
         assert settle.calls == []
 
@@ -156,7 +146,7 @@ def test_a_spill_the_broker_refuses_leaves_the_task_unsettled_to_wait_for_a_slot
 
 def test_nothing_is_sent_or_settled_for_a_task_whose_channel_closed() -> None:
     async def go() -> None:
-        worker, publisher, settle = runtime(), Publisher(), Settle()
+        worker, publisher, settle = runtime(), Publisher(), Settled()
         assert await worker._spill(publisher, packed(closed=True), TASK, settle)  # type: ignore[arg-type]
         assert publisher.sent == [] and settle.calls == []
 
@@ -169,7 +159,7 @@ def test_giving_back_sends_a_packed_task_alone_and_requeues_any_other() -> None:
         cases = [(packed(), Publisher(), ["ack"]), (packed(), Publisher(fail=True), ["requeue"])]
         cases.append((alone(), Publisher(), ["requeue"]))
         for task, publisher, settled in cases:
-            settle = Settle()
+            settle = Settled()
             await worker._give_back(publisher, task, TASK, settle)  # type: ignore[arg-type]
             assert settle.calls == settled, (task.packed, publisher.fail)
             assert len(publisher.sent) == (1 if settled == ["ack"] else 0)
