@@ -397,10 +397,7 @@ class WorkerRuntime:
         if not _alive(message):
             return
         sent = await asyncio.gather(
-            *(
-                publisher.publish_bytes(p, _task_id(p), message.exchange or "", message.routing_key or "")
-                for p in payloads
-            ),
+            *(_send_alone(publisher, message, p, _task_id(p)) for p in payloads),
             return_exceptions=True,
         )
         failed = [r for r in sent if isinstance(r, BaseException)]
@@ -576,9 +573,7 @@ class WorkerRuntime:
         if not _alive(message):
             return True
         try:
-            await publisher.publish_bytes(
-                delivered.body, envelope.message_id, message.exchange or "", message.routing_key or ""
-            )
+            await _send_alone(publisher, message, delivered.body, envelope.message_id)
         except Exception as exc:
             log.warning("could not send packed task %s back to its queue: %s", envelope.message_id, exc)
             return False
@@ -860,6 +855,14 @@ class _Delivered:
         if not self.packed:
             return self.message.message_id or ""
         return _task_id(self.body) if TRACE.enabled else ""
+
+
+async def _send_alone(
+    publisher: Publisher, container: AbstractIncomingMessage, payload: bytes, message_id: str
+) -> None:
+    """Send one task of ``container`` back to the queue the container came from, as a message of its own
+    (confirmed): a redelivered container's split, and a packed task spilled or given back."""
+    await publisher.publish_bytes(payload, message_id, container.exchange or "", container.routing_key or "")
 
 
 def _task_id(payload: bytes) -> str:

@@ -27,15 +27,9 @@ from redis.asyncio.connection import Connection
 from redis.cluster import ClusterNode, RedisCluster
 from redis.connection import HiredisRespSerializer
 from redis.exceptions import ClusterError, RedisClusterException, TryAgainError
+from redis.utils import HIREDIS_AVAILABLE
 
 from orchestrator.errors import SagaError
-
-try:  # hiredis 3 has the packer redis-py uses; an older one only parses
-    from hiredis import pack_command as _hiredis_pack
-
-    HIREDIS_PACKS = callable(_hiredis_pack)
-except ImportError:
-    HIREDIS_PACKS = False
 
 CLUSTER_SCHEMES = {"redis+cluster": False, "rediss+cluster": True}  # scheme -> TLS
 #: What "Redis is unreachable" may look like: a cluster client that reaches no node, or cannot map a slot
@@ -164,7 +158,8 @@ def async_client(url: str, **options: Any) -> aioredis.Redis:
     to every connection. A ``redis://`` connection packs commands with hiredis where it can; TLS and
     Unix-socket URLs keep the connection class redis-py picks for them."""
     if not is_cluster_url(url):
-        if url.partition("://")[0].lower() == "redis" and HIREDIS_PACKS:
+        # the test redis-py's blocking client makes before it packs with hiredis
+        if url.partition("://")[0].lower() == "redis" and HIREDIS_AVAILABLE:
             options = {"connection_class": _HiredisPackedConnection, **options}
         return aioredis.Redis.from_url(url, **options)
     parsed = parse_cluster_url(url)
