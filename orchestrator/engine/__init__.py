@@ -327,23 +327,26 @@ def _barrier_released(step: Step, event: BarrierReleased) -> Decision:
         return rejected(Verdict.INVALID, why, event.stage)
     step.expect(Key("counter", event.stage), "remaining", "0")
     step.guard(event.stage, rec)
-    bag = stage if isinstance(stage, Bag) else None  # a join completes with no result of its own
-    result = run.map_results.get(event.stage) if bag else None
-    if bag and result is not None and sizes.body_bytes({"result": result}) > step.limits.max_transition_bytes:
+    if isinstance(stage, Join):
+        step.release_join(event.stage, stage, rec)
+        return step.decision()
+    bag = stage
+    result = run.map_results.get(event.stage)
+    if result is not None and sizes.body_bytes({"result": result}) > step.limits.max_transition_bytes:
         why = (
             f"its {len(result):,} item results together are over the "
             f"{step.limits.max_transition_bytes:,}-byte limit for one transition (SAGA_MAX_TRANSITION_BYTES)"
         )
         step.fail_attempt(event.stage, bag, rec, why, retryable=False)
         return step.decision()
-    done_at = step.done_at(bag) if bag else None
     step.set_stage(
         event.stage,
-        StageRecord(StageStatus.COMPLETED, rec.attempt, rec.fence, result=result, completed_at=done_at),
+        StageRecord(
+            StageStatus.COMPLETED, rec.attempt, rec.fence, result=result, completed_at=step.done_at(bag)
+        ),
     )
-    if bag:
-        step.clear_attempt_clocks(event.stage, rec.fence)
-    step.record("stage.completed" if bag else "join.released", event.stage, rec.attempt)
+    step.clear_attempt_clocks(event.stage, rec.fence)
+    step.record("stage.completed", event.stage, rec.attempt)
     step.enter(event.stage, stage.on_success)
     return step.decision()
 

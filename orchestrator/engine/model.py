@@ -315,19 +315,20 @@ class BarrierInit:
 @dataclass(frozen=True)
 class Arrival:
     """A branch or item arriving at a barrier: counted once per distinct member; the last arrival
-    appends ``release`` to the outbox. ``result`` (items only) is stored under the member.
+    appends ``release`` to the outbox (None: the transition releases the barrier itself, and expects
+    the count it takes to 0). ``result`` (items only) is stored under the member.
     ``refill``: a bag still to send items, whose arrival that is the ``at``-th appends its refill."""
 
     key: Key
     member: str
-    release: Outgoing
+    release: Outgoing | None
     result: str | None = None
     refill: Refill | None = None
 
     def continuations(self, remaining: int) -> list[Outgoing]:
         """What the store appended to the outbox with this arrival, which left ``remaining`` members to
         come: the release after the last one, a bag's refill after its ``at``-th."""
-        sent = [self.release] if remaining == 0 else []
+        sent = [self.release] if remaining == 0 and self.release is not None else []
         if self.refill is not None and self.refill.items - remaining == self.refill.at:
             sent.append(self.refill.message)
         return sent

@@ -14,7 +14,16 @@ from typing import Any
 from orchestrator.dsl.binding import bind, evaluate
 from orchestrator.engine import clocks
 from orchestrator.engine.ending import Ending
-from orchestrator.engine.model import Arrival, BarrierInit, Clock, Intent, Key, StageRecord, StageStatus
+from orchestrator.engine.model import (
+    ACTIVE_STAGE_STATUSES,
+    Arrival,
+    BarrierInit,
+    Clock,
+    Intent,
+    Key,
+    StageRecord,
+    StageStatus,
+)
 from orchestrator.engine.plan import Bag, Fork, Join, Route, Work
 from orchestrator.errors import BindingError
 from orchestrator.wire import ids, sizes
@@ -108,9 +117,7 @@ class Step(Ending):
             self.barriers.remove(init)
             self.barriers.append(BarrierInit(init.key, init.count - len(early), tuple(early)))
             if len(early) == init.count and self.intent is None:
-                self.set_stage(join, StageRecord(StageStatus.COMPLETED, 1, fence))
-                self.record("join.released", join, 1)
-                self.enter(join, self._join(join).on_success)
+                self.release_join(join, self._join(join), StageRecord(StageStatus.RUNNING, 1, fence))
 
     def _join(self, name: str) -> Join:
         stage = self.plan.stages[name]
@@ -132,10 +139,33 @@ class Step(Ending):
             self.record("branch.arrived", join, branch=branch, outcome=outcome, early=True)
             return
         rec = self.stage(join)
-        fence = rec.fence if rec else ids.stage_fence(self.run.epoch, 1)
-        release = self.release(join, fence)
         self.record("branch.arrived", join, branch=branch, outcome=outcome)
-        self.arrival = Arrival(Key("barrier", join), branch, release)
+        if rec is not None and self._last_to_arrive(join, rec):
+            # This transition releases the join: the store counts the branch only while the count is
+            # still 1, so it is the one call that takes it to 0, and no release message is needed.
+            self.expect(Key("counter", join), "remaining", "1")
+            self.guard(join, rec)
+            self.arrival = Arrival(Key("barrier", join), branch, None)
+            self.release_join(join, stage, rec)
+            return
+        fence = rec.fence if rec else ids.stage_fence(self.run.epoch, 1)
+        self.arrival = Arrival(Key("barrier", join), branch, self.release(join, fence))
+
+    def _last_to_arrive(self, join: str, rec: StageRecord) -> bool:
+        """Whether the branch arriving now is the last one the open join ``join`` waits for, as read."""
+        return (
+            self.run.barriers.get(join) == 1
+            and rec.status in ACTIVE_STAGE_STATUSES
+            and self.run.intent is None
+            and self.intent is None
+        )
+
+    def release_join(self, name: str, stage: Join, rec: StageRecord) -> None:
+        """Every branch of join ``name`` arrived: it completes (with no result of its own) and its route
+        goes on."""
+        self.set_stage(name, StageRecord(StageStatus.COMPLETED, rec.attempt, rec.fence))
+        self.record("join.released", name, rec.attempt)
+        self.enter(name, stage.on_success)
 
     def _map(self, name: str, stage: Bag) -> None:
         try:

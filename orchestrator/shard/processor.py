@@ -261,7 +261,9 @@ class Processor:
         if run.kept:
             if decision.verdict is not Verdict.APPLIED:
                 return None
-            if decision.arrival is None:  # arrivals commute: their own fences and status guard them
+            # arrivals commute: their own fences and status guard them; one that releases its join
+            # goes on from what was read, as any other transition does
+            if decision.arrival is None or decision.arrival.release is None:
                 guard = Expect(RUN, "rev", (run.record or {}).get("rev"))
                 decision = dataclasses.replace(decision, expects=(*decision.expects, guard))
         return plan, decision

@@ -140,7 +140,7 @@ class MemoryStore:
         members[a["member"]] = a["value"]
         remaining = int(run.record.get(a["counter"], "0")) - 1
         run.record[a["counter"]] = str(remaining)
-        if remaining == 0:
+        if remaining == 0 and "release" in a:
             self.outbox[a["release"][0]] = a["release"][1]
         refill = a.get("refill")
         if refill is not None and refill[1] - remaining == refill[0]:

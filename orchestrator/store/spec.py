@@ -156,8 +156,12 @@ def build_spec(
             "counter": counter_field(a.key.name),
             "member": a.member,
             "value": a.result or "",
-            "release": [a.release.message_id, _continuation_payload(a.release, run_id, now_ms)],
         }
+        if a.release is not None:  # else the transition releases the barrier itself
+            body["arrival"]["release"] = [
+                a.release.message_id,
+                _continuation_payload(a.release, run_id, now_ms),
+            ]
         if a.refill is not None:  # the arrival that makes ``at`` arrived appends the bag's refill
             r = a.refill
             body["arrival"]["refill"] = [

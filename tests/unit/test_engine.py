@@ -18,6 +18,7 @@ from orchestrator.engine.model import StageResult, StartRun, Verdict
 from orchestrator.store.memory import MemoryStore
 from orchestrator.store.replies import APPLIED, DUPLICATE, NO_RUN
 from orchestrator.wire import ids
+from orchestrator.wire.kinds import Kind
 from tests.conftest import DEFINITIONS, DEMO_REGISTRY, compile_yaml
 from tests.unit.engine_sim import SHARD, Handled, Sim, handler_output, report
 
@@ -210,7 +211,9 @@ def test_join_releases_once_whichever_branch_arrives_last(first: str) -> None:
     assert one is not None and one.detail == "1" and not one.published  # one branch still out
     two = sim.deliver_task(other)
     assert two is not None and two.detail == "0"
-    assert [m.kind for m in two.published] == ["barrier.released"]
+    # the last branch's own transition releases the join: the successor's task, no release message
+    assert [(m.kind, m.body.get("stage")) for m in two.published] == [(Kind.TASK, "publish")]
+    assert sim.kinds()[-3:] == ["branch.arrived", "join.released", "stage.dispatched"]
     sim.run()
 
     assert sim.status == "completed"

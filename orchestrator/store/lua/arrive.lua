@@ -7,7 +7,9 @@
 -- finishes there), and for a bag its bit in the bitmap. A bag's item result is appended to its list;
 -- the release sorts them. The counter lives in the run hash; the arrival that takes it to 0 appends the
 -- release message (a deterministic id) to the outbox, so the successor is released exactly once; a
--- bag that sends its items in chunks appends its refill (spec.arrival.refill) the same way.
+-- bag that sends its items in chunks appends its refill (spec.arrival.refill) the same way. A join's
+-- last branch may carry no release: its transition releases the join itself (it completes the join and
+-- enters its successor) and expects the counter at 1, so the call that takes it to 0 is that one.
 -- The rest of the transition is checked and applied as saga_transition does it (a timer it claims,
 -- members that must be absent, expectations; timers it sets or clears, messages it causes, fields it
 -- writes): the arrival is one more effect, not a shortcut. Only the applied-id set is not consulted.
@@ -46,7 +48,7 @@ local function arrive(keys, spec)
     redis.call('RPUSH', keys[a.list], a.member .. ':' .. a.value)
   end
   local remaining = redis.call('HINCRBY', keys[1], a.counter, -1)
-  if remaining == 0 then
+  if remaining == 0 and not is_null(a.release) then
     append_outbox(keys[4], {a.release})
   end
   -- a bag sending its items in chunks: the arrival that makes `at` of them arrived sends the next one
