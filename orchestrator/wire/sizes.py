@@ -92,13 +92,21 @@ def _refuse_non_finite(value: Any) -> None:
     pending = [value]
     while pending:
         item = pending.pop()
-        if isinstance(item, float):
+        kind = type(item)
+        if kind in _LEAVES:  # most values: one look at the exact type, no subclass checks
+            continue
+        if kind is dict:
+            pending.extend(item.values())
+        elif isinstance(item, float):
             if not math.isfinite(item):
                 raise ValueError(f"Out of range float values are not JSON compliant: {item!r}")
         elif isinstance(item, Mapping):
             pending.extend(item.values())
         elif isinstance(item, list | tuple):
             pending.extend(item)
+
+
+_LEAVES = frozenset({str, int, bool, type(None)})
 
 
 def bounded(text: str, limit: int = MAX_ERROR_CHARS) -> str:
