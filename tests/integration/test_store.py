@@ -568,6 +568,84 @@ def test_arrivals_count_distinct_items_and_release_exactly_once_under_concurrenc
     with_store(test)
 
 
+def test_a_joins_last_branch_releases_it_in_its_own_call_and_only_while_the_count_is_one() -> None:
+    """The last branch's transition completes the join and dispatches its successor in the call that
+    counts it (no release message); the same branch decided on a read taken before the other branch
+    arrived is an arrival with a release message, and whichever of the two is applied first is the
+    only one: the other conflicts on the count and writes nothing."""
+
+    async def test(store: RedisStore) -> None:
+        plan = await started(store, "model-ingest", {"modelId": "m-1"}, "run-join")
+        for stage in ("cache-lookup", "render-thumbnail"):
+            (task,) = [t for t in (await store.outbox(SHARD)).values() if t["body"]["stage"] == stage]
+            await store.mark_sent(SHARD, [task["id"]])
+            code, _, _ = await redis_apply(store, plan.plan, plan.digest, "run-join", task_result(task), NOW)
+            assert code == APPLIED
+        branches = {t["body"]["stage"]: t for t in (await store.outbox(SHARD)).values()}
+        assert set(branches) == {"semantic-analysis", "technical-metadata"}
+        await store.mark_sent(SHARD, [t["id"] for t in branches.values()])
+        before_any = await store.snapshot(SHARD, "run-join")
+        code, detail, _ = await redis_apply(
+            store, plan.plan, plan.digest, "run-join", task_result(branches["semantic-analysis"]), NOW
+        )
+        assert (code, detail) == (APPLIED, "1")
+
+        last = task_result(branches["technical-metadata"])
+        stale = advance(plan.typed, plan.digest, before_any, last, NOW)  # the count read as 2
+        assert stale.arrival is not None and stale.arrival.release is not None
+        read = await store.snapshot(SHARD, "run-join")
+        inline = advance(plan.typed, plan.digest, read, last, NOW)
+        assert inline.arrival is not None and inline.arrival.release is None
+        assert [m.body["stage"] for m in inline.outgoing] == ["publish"]
+
+        # the count is not the 1 it was read as (say another arrival counted meanwhile): no release
+        counter = store.keys(SHARD).run("run-join")
+        await store.client.hset(counter, "b:derive-join", "2")
+        moved = await raw_dump(store, "run-join", plan.plan)
+        refused = await store.apply(SHARD, "run-join", last.message_id, inline, plan.typed, NOW)
+        assert (refused.code, refused.detail) == (CONFLICT, "b:derive-join")
+        assert await raw_dump(store, "run-join", plan.plan) == moved
+        await store.client.hset(counter, "b:derive-join", "1")
+
+        # the stale decision first: it counts the branch and sends the release; the inline one conflicts
+        first = await store.apply(SHARD, "run-join", last.message_id, stale, plan.typed, NOW)
+        assert (first.code, first.detail) == (APPLIED, "0")
+        after_first = await raw_dump(store, "run-join", plan.plan)
+        second = await store.apply(SHARD, "run-join", last.message_id, inline, plan.typed, NOW)
+        assert second.code == CONFLICT
+        assert await raw_dump(store, "run-join", plan.plan) == after_first
+        release_id = ids.release_id("run-join", "derive-join", "1.1")
+        assert [json.loads(m)["kind"] for m in after_first["outbox"].values()] == ["barrier.released"]
+        assert release_id in after_first["outbox"]
+
+    with_store(test)
+
+    async def inline_wins(store: RedisStore) -> None:
+        plan = await started(store, "model-ingest", {"modelId": "m-1"}, "run-join")
+        keys = store.keys(SHARD)
+        while (run := await store.snapshot(SHARD, "run-join")) is not None and run.barriers.get(
+            "derive-join", 2
+        ) > 0:
+            sent = await store.outbox(SHARD)
+            await store.mark_sent(SHARD, list(sent))
+            for task in sent.values():
+                code, _, _ = await redis_apply(
+                    store, plan.plan, plan.digest, "run-join", task_result(task), NOW
+                )
+                assert code == APPLIED
+        assert run is not None and run.stages["derive-join"].status.value == "completed"
+        assert [m["body"]["stage"] for m in (await store.outbox(SHARD)).values()] == ["publish"]
+        assert set(await store.barrier_members(SHARD, "run-join", "derive-join")) == {
+            "semantic-analysis",
+            "technical-metadata",
+        }
+        kinds = [fields["kind"] for _, fields in await store.client.xrange(keys.history("run-join"))]
+        assert kinds.count("join.released") == 1
+        assert kinds[-3:] == ["branch.arrived", "join.released", "stage.dispatched"]
+
+    with_store(inline_wins)
+
+
 # ---- (e) the library is reloaded when Redis lost it --------------------------------------------------------
 
 
