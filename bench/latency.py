@@ -19,13 +19,14 @@ time; and a Redis round trip (a PING through redis-py) both ways. It prints JSON
   idle p50`` (a transition's commit is one such round trip);
 - ``step p50`` per process and step: orchestrator ``inbox`` (delivered, waiting for its batch),
   ``decode`` (decode and verify), ``snapshot`` (the runs' read), ``engine``, ``lua`` (the transitions'
-  call), ``local`` (barrier releases applied in-process), ``ack``, ``publish`` (publish and confirm),
+  call: their specs built, the round trip, the records kept), ``fcall`` (the round trip alone, inside
+  ``lua``), ``local`` (barrier releases applied in-process), ``ack``, ``publish`` (publish and confirm),
   ``mark_sent``; worker ``inbox``, ``decode``, ``handler``, ``publish`` (the result, to its confirm),
   ``ack``; the client's ``publish``;
 - ``own time per hop``: (latency - critical-path hops x bare hop - handler time) / hops, the time that is
   saga's own; the critical path of model-ingest is 11 hops (the start, then a task and its result for
-  cache-lookup, render, the fork's branches in parallel, publish and the finaliser; the join and the
-  decision are applied in-process);
+  cache-lookup, render, the fork's branches in parallel, publish and the finaliser; the join is released
+  by its last branch's transition);
 
 and on stderr the timeline of the median run: every hop and step, in order, from the start's publish.
 """

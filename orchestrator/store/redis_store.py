@@ -30,6 +30,7 @@ from orchestrator.store.connect import load_function_library
 from orchestrator.store.facets import changes_status, index_spec
 from orchestrator.store.keys import ShardKeys, index_key, plan_key, refused_key
 from orchestrator.store.replies import APPLIED, Reply
+from orchestrator.trace import TRACE
 
 if TYPE_CHECKING:
     from orchestrator.governance.store import DigestInfo
@@ -214,10 +215,13 @@ class RedisStore:
         transition in an FCALL of its own."""
         calls = _grouped([self._call(shard, *transition, now_ms) for transition in transitions])
         started = time.perf_counter()
-        async with self.client.pipeline(transaction=False) as pipe:
-            for spec, keys in calls:
-                pipe.fcall(function_name(spec.function), len(keys), *keys, spec.encode())
-            replies = await pipe.execute(raise_on_error=False)
+        # the round trip alone, inside the shard's "lua" step (which also builds the specs and keeps
+        # the records the replies bring forward)
+        with TRACE.span("fcall", (message_id for _, message_id, *_ in transitions)):
+            async with self.client.pipeline(transaction=False) as pipe:
+                for spec, keys in calls:
+                    pipe.fcall(function_name(spec.function), len(keys), *keys, spec.encode())
+                replies = await pipe.execute(raise_on_error=False)
         metrics.lua_call("pipeline", time.perf_counter() - started)
         results = []
         for (spec, keys), reply in zip(calls, replies, strict=True):
