@@ -9,6 +9,7 @@ moves between the status ones when its status changes, in the same atomic call.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from orchestrator.engine.model import Decision, RunStatus
@@ -34,6 +35,17 @@ def index_spec(
 ) -> tuple[dict[str, Any], list[str]]:
     """The spec's ``index`` block of a transition that creates its run or changes its status, and the
     KEYS it names, numbered from ``first_key`` (1-based, as Lua sees them)."""
+    static, by_state, extra = _index_layout(keys, definition, version, first_key)
+    return {"run": run_id, "first": first_key, "static": static, "by_state": by_state}, list(extra)
+
+
+@functools.lru_cache(maxsize=1024)
+def _index_layout(
+    keys: ShardKeys, definition: str, version: str, first_key: int
+) -> tuple[list[int], dict[str, list[int]], tuple[str, ...]]:
+    """The part of :func:`index_spec` that is the same for every run of a version on a shard (twenty
+    keys, built for every run's start and end otherwise). Its lists are only ever encoded, never
+    changed, so the calls share them."""
     extra: list[str] = []
 
     def positions(names: list[str]) -> list[int]:
@@ -41,13 +53,9 @@ def index_spec(
         extra.extend(names)
         return list(range(start, start + len(names)))
 
-    block = {
-        "run": run_id,
-        "first": first_key,
-        "static": positions(static_facets(keys, definition, version)),
-        "by_state": {s: positions(status_facets(keys, definition, version, s)) for s in STATUSES},
-    }
-    return block, extra
+    static = positions(static_facets(keys, definition, version))
+    by_state = {s: positions(status_facets(keys, definition, version, s)) for s in STATUSES}
+    return static, by_state, tuple(extra)
 
 
 def changes_status(decision: Decision) -> bool:
