@@ -424,7 +424,14 @@ def environment(
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    widths = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
+    def widths(text: str) -> list[int]:
+        found = [int(x) for x in text.split(",") if x]
+        if any(w < 1 for w in found):  # an empty bag never opens the barrier the bench watches
+            raise argparse.ArgumentTypeError(
+                f"bag widths are 1 or more, not {text!r}; '' skips the wide join"
+            )
+        return found
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--runs", type=int, default=1000, help="model-ingest runs started at once (0: skip)")
     p.add_argument("--wide", type=widths, default=[1000, 5000], help="bag widths, comma-separated")
