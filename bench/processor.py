@@ -34,7 +34,7 @@ from tests.unit.test_engine import compiled
 
 async def one_sitting(runs: int, batch: int) -> dict[str, float]:
     client = async_client(REDIS_URL, decode_responses=True)  # as the orchestrator connects
-    store = RedisStore(client, prefix=f"sagabenchproc{uuid.uuid4().hex[:8]}")
+    store = RedisStore(client, prefix=f"sagabenchproc{uuid.uuid4().hex[:8]}", direct=True)
     processor = Processor(store, lambda: int(time.time() * 1000))
     cpu = wall = 0.0
     handled = 0

@@ -151,7 +151,7 @@ def orchestrator(
     async def make() -> tuple[ShardService, Any, health.Checks]:
         connection = await connect_robust(settings.amqp_url, heartbeat_s=settings.amqp_heartbeat_s)
         client = redis_client(settings, per_reply_timeout=False)  # each Redis step is bounded instead
-        store = RedisStore(client, settings.key_prefix, settings.retention_ms)
+        store = RedisStore(client, settings.key_prefix, settings.retention_ms, direct=True)
         options = ShardOptions(
             names=settings.names(),
             delivery_limit=settings.delivery_limit,

@@ -26,9 +26,10 @@ from orchestrator.engine import clocks
 from orchestrator.engine.model import Decision, RunSnapshot
 from orchestrator.engine.plan import Plan, typed_plan
 from orchestrator.errors import SagaError
-from orchestrator.store.connect import load_function_library
+from orchestrator.store.connect import is_cluster, load_function_library
 from orchestrator.store.facets import changes_status, index_spec
 from orchestrator.store.keys import ShardKeys, index_key, plan_key, refused_key
+from orchestrator.store.lane import Command, Lane
 from orchestrator.store.replies import APPLIED, Reply
 from orchestrator.trace import TRACE
 
@@ -101,6 +102,10 @@ class RedisStore:
     client: aioredis.Redis
     prefix: str = "saga"
     retention_ms: int = 7 * 86_400_000
+    #: Round trips of the shard's hot path on connections the store keeps (``lane.py``): for a long-lived
+    #: process that makes many (the orchestrator); ignored on a Redis Cluster.
+    direct: bool = False
+    _lane: Lane | None = field(init=False, default=None, repr=False)
     _plans: dict[str, dict[str, Any]] = field(default_factory=dict)
     _typed_plans: dict[str, Plan] = field(default_factory=dict)
     _plan_versions: dict[str, dict[str, str]] = field(default_factory=dict)
@@ -109,8 +114,21 @@ class RedisStore:
         default_factory=dict
     )
 
+    def __post_init__(self) -> None:
+        self._lane = Lane(self.client) if self.direct and not is_cluster(self.client) else None
+
     def keys(self, shard: str) -> ShardKeys:
         return ShardKeys(self.prefix, shard)
+
+    async def _round_trip(self, commands: list[Command]) -> list[Any]:
+        """``commands`` in one round trip, each reply in order (a refused command's error as its
+        reply): on the lane where the store has one, else in a pipeline."""
+        if self._lane is not None:
+            return await self._lane.execute(commands)
+        async with self.client.pipeline(transaction=False) as pipe:
+            for command in commands:
+                pipe.execute_command(*command)
+            return list(await pipe.execute(raise_on_error=False))
 
     def _keys_of(self, shard: str, run_id: str, plan: Plan) -> list[str]:
         """``ShardKeys.transition_keys`` of a run, built once while the run is recent."""
@@ -136,6 +154,15 @@ class RedisStore:
         """FCALL this release's ``base`` function (every call into the library goes through here but
         the pipelined ones, which come back here when the library is missing)."""
         name = function_name(base)
+        if self._lane is not None:
+            command = ("FCALL", name, len(keys), *keys, *args)
+            (reply,) = await self._lane.execute([command])
+            if isinstance(reply, ResponseError) and "function not found" in str(reply).lower():
+                await self.load_library()  # Redis restarted without persistence: load and try once more
+                (reply,) = await self._lane.execute([command])
+            if isinstance(reply, Exception):
+                raise reply
+            return reply
         try:
             return await self.client.fcall(name, len(keys), *keys, *args)  # type: ignore[misc]
         except ResponseError as exc:
@@ -201,10 +228,10 @@ class RedisStore:
     async def records(self, shard: str, run_ids: list[str]) -> list[dict[str, str] | None]:
         """The run hashes of ``run_ids`` as they are (None: no such run), in one round trip."""
         keys = self.keys(shard)
-        async with self.client.pipeline(transaction=False) as pipe:
-            for run_id in run_ids:
-                pipe.hgetall(keys.run(run_id))
-            replies = await pipe.execute()
+        replies = await self._round_trip([("HGETALL", keys.run(run_id)) for run_id in run_ids])
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
         return [_text(record) if record else None for record in replies]
 
     async def apply_many(
@@ -218,10 +245,12 @@ class RedisStore:
         # the round trip alone, inside the shard's "lua" step (which also builds the specs and keeps
         # the records the replies bring forward)
         with TRACE.span("fcall", (message_id for _, message_id, *_ in transitions)):
-            async with self.client.pipeline(transaction=False) as pipe:
-                for spec, keys in calls:
-                    pipe.fcall(function_name(spec.function), len(keys), *keys, spec.encode())
-                replies = await pipe.execute(raise_on_error=False)
+            replies = await self._round_trip(
+                [
+                    ("FCALL", function_name(spec.function), len(keys), *keys, spec.encode())
+                    for spec, keys in calls
+                ]
+            )
         metrics.lua_call("pipeline", time.perf_counter() - started)
         results = []
         for (spec, keys), reply in zip(calls, replies, strict=True):
