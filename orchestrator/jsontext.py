@@ -21,7 +21,7 @@ from typing import Any
 
 import orjson
 
-__all__ = ["canonical_bytes", "dumps", "loads"]
+__all__ = ["canonical_bytes", "dumps"]
 
 
 def dumps(value: Any, *, sort_keys: bool = False) -> str:
@@ -39,13 +39,3 @@ def _encoded(value: Any, *, sort_keys: bool) -> bytes:
         return orjson.dumps(value, option=orjson.OPT_SORT_KEYS if sort_keys else 0)
     except TypeError:  # orjson.JSONEncodeError is a TypeError
         return json.dumps(value, sort_keys=sort_keys, separators=(",", ":"), ensure_ascii=False).encode()
-
-
-def loads(text: str | bytes) -> Any:
-    """``text`` parsed: by orjson, or by the standard library where orjson refuses it (an integer beyond
-    64 bits, or NaN and infinities, which the standard library writes), so that whatever ``dumps``
-    wrote reads back, and text that is no JSON raises the standard library's error."""
-    try:
-        return orjson.loads(text)
-    except orjson.JSONDecodeError:
-        return json.loads(text)

@@ -140,6 +140,8 @@ class Plan:
     barriers: tuple[str, ...] = ()  # joins and maps, sorted: the stages with a barrier counter
     bags: tuple[str, ...] = ()  # the maps, in barrier order (as their keys follow the barriers' in KEYS)
     compensable: Mapping[str, str] = field(default_factory=dict)  # stage -> its compensation, plan order
+    # the joins whose last branch may release them in its own transition (released_inline)
+    released_inline: frozenset[str] = frozenset()
 
     def work(self, name: str) -> Work | None:
         """The work stage ``name`` (None if the plan has no work stage of that name)."""
@@ -182,9 +184,41 @@ def typed_plan(raw: Mapping[str, Any]) -> Plan:
             compensable=MappingProxyType(
                 {n: s.compensate for n, s in stages.items() if isinstance(s, Work) and s.compensate}
             ),
+            released_inline=released_inline(stages),
         )
     except (KeyError, TypeError, AttributeError) as exc:
         raise PlanShapeError(f"plan {raw.get('name')!r} has a field missing or malformed: {exc!r}") from exc
+
+
+def released_inline(stages: Mapping[str, Stage]) -> frozenset[str]:
+    """The joins whose last branch's transition may release them itself: those from whose successor no
+    route reaches a join. A transition carries one arrival, and the route a release enters runs in the
+    same transition: reaching another join there (a nested fork's join leading to the outer one), it
+    would arrive twice. Every route counts, failure routes and those past work stages included (a stage
+    reused after a re-drive, a task that cannot be sent or an empty bag route on at once); a join that
+    could reach another join is released by a message of its own, in a transition of its own."""
+    return frozenset(
+        name for name, stage in stages.items() if isinstance(stage, Join) and not _reaches_join(stages, stage)
+    )
+
+
+def _reaches_join(stages: Mapping[str, Stage], join: Join) -> bool:
+    todo, seen = [join.on_success], set()
+    while todo:
+        name = todo.pop()
+        stage = stages.get(name)
+        if stage is None or name in seen:
+            continue  # a terminal, or met before
+        seen.add(name)
+        if isinstance(stage, Join):
+            return True
+        if isinstance(stage, Work):
+            todo += [stage.on_success, stage.on_failure]
+        elif isinstance(stage, Route):
+            todo += [*(b.next for b in stage.branches), stage.on_evaluation_error]
+        else:
+            todo += list(stage.branches)
+    return False
 
 
 def _stages(raw: Mapping[str, Mapping[str, Any]]) -> dict[str, Stage]:

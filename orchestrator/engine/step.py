@@ -152,9 +152,12 @@ class Step(Ending):
         self.arrival = Arrival(Key("barrier", join), branch, self.release(join, fence))
 
     def _last_to_arrive(self, join: str, rec: StageRecord) -> bool:
-        """Whether the branch arriving now is the last one the open join ``join`` waits for, as read."""
+        """Whether the branch arriving now is the last one the open join ``join`` waits for, as read, and
+        the join may be released in this transition (``Plan.released_inline``)."""
         return (
-            self.run.barriers.get(join) == 1
+            join in self.plan.released_inline
+            and self.arrival is None
+            and self.run.barriers.get(join) == 1
             and rec.status in ACTIVE_STAGE_STATUSES
             and self.run.intent is None
             and self.intent is None

@@ -221,6 +221,73 @@ def test_join_releases_once_whichever_branch_arrives_last(first: str) -> None:
     assert [e["detail"]["branch"] for e in sim.entries("branch.arrived")] == [first, other]
 
 
+NESTED_JOINS = """
+    name: nested-joins
+    version: "1.0.0"
+    entry: outer
+    stages:
+      - name: outer
+        type: fork
+        branches: [inner, c]
+      - name: inner
+        type: fork
+        branches: [a, b]
+      - name: a
+        type: worker
+        queue: metadata
+        worker: metadata.extract@2
+        input: { modelId: "${context.modelId}" }
+        on_success: ij
+        on_failure: failed
+      - name: b
+        type: worker
+        queue: analysis
+        worker: semantic.analyse@4
+        input: { modelId: "${context.modelId}" }
+        on_success: ij
+        on_failure: failed
+      - name: ij
+        type: join
+        required: [a, b]
+        on_success: oj
+      - name: c
+        type: worker
+        queue: metadata
+        worker: metadata.extract@2
+        input: { modelId: "${context.modelId}" }
+        on_success: oj
+        on_failure: failed
+      - name: oj
+        type: join
+        required: [inner, c]
+        on_success: completed
+"""
+
+
+@pytest.mark.parametrize("order", [(0, 0, 0), (2, 1, 0), (1, 0, 0), (0, 1, 0)])
+def test_a_join_leading_to_another_join_is_released_by_a_message_and_both_count_every_branch(
+    order: tuple[int, ...],
+) -> None:
+    """A transition carries one arrival: the inner join's release enters the outer join, so the inner
+    join's last branch must not release it in its own transition (its arrival would be replaced by the
+    outer one's, and the inner count left at 1). The outer join, which leads nowhere but the end, is."""
+    plan = compile_yaml(NESTED_JOINS)
+    assert plan.typed.released_inline == frozenset({"oj"})
+    sim = Sim(plan.plan, plan.digest)
+    sim.start({"modelId": "m-1"})
+    sim.deliver_at(0)
+    for i in order:
+        sim.deliver_at(min(i, len(sim.pending) - 1))
+    sim.run()
+
+    assert sim.status == "completed"
+    assert (sim.record["b:ij"], sim.record["b:oj"]) == ("0", "0")
+    members = sim.store.runs[sim.run_id].barriers
+    assert (set(members["ij"]), set(members["oj"])) == ({"a", "b"}, {"inner", "c"})
+    assert [e["stage"] for e in sim.entries("join.released")].count("ij") == 1
+    assert [e["stage"] for e in sim.entries("join.released")].count("oj") == 1
+
+
 # ---- map stages ---------------------------------------------------------------------------------------
 
 
