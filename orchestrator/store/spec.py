@@ -220,7 +220,7 @@ _SHARED_FROM, _SHARED_UP_TO = 2048, 1 << 20
 
 @functools.lru_cache(maxsize=16)
 def _shared(text: str) -> Any:
-    return jsontext.loads(text)
+    return json.loads(text)
 
 
 def json_field(text: str) -> Any:
@@ -232,7 +232,7 @@ def json_field(text: str) -> Any:
     callers (the client's status and wait, the views) are parsed afresh."""
     if _SHARED_FROM <= len(text) <= _SHARED_UP_TO:
         return _shared(text)
-    return jsontext.loads(text)
+    return json.loads(text)
 
 
 _STAGE_FIELDS = ("status", "attempt", "fence", "result", "error", "items", "sent", "window", "done_at")
