@@ -54,3 +54,13 @@ def test_a_bag_run_through_the_engine_leaves_its_shared_context_as_it_was_parsed
     assert len(text) >= 2048  # shared, not parsed each time
     assert json_field(text) == {"modelIds": ids} == json.loads(text)
     assert sim.status in ("completed", "failed") and sim.kinds()[0] == "run.started"
+
+
+def test_integers_beyond_64_bits_read_back_exactly() -> None:
+    """A context's or a result's big integer reaches the tasks bound from it as it was written, in both
+    sizes of field (some JSON parsers read such an integer as a float, without an error)."""
+    big = {"id": 123456789012345678901234, "neg": -(2**70), "ids": list(range(400))}
+    for text in (json.dumps(big), json.dumps({**big, "pad": "x" * 3000})):
+        parsed = json_field(text)
+        assert (parsed["id"], parsed["neg"]) == (123456789012345678901234, -(2**70))
+        assert isinstance(parsed["id"], int)
