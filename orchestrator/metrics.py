@@ -16,7 +16,7 @@ beside their ``/healthz`` and ``/readyz`` (``orchestrator/health.py``).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from prometheus_client import Counter, Gauge, Histogram
 
@@ -33,6 +33,21 @@ if TYPE_CHECKING:
 _FAST_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 # A stage or a handler: from milliseconds to an hour.
 _SLOW_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.0)
+
+_Metric = TypeVar("_Metric", Counter, Histogram)
+_CHILDREN: dict[tuple[Any, ...], Any] = {}
+
+
+def _child(metric: _Metric, *labels: str) -> _Metric:
+    """``metric.labels(*labels)``, looked up once per label values: ``labels`` checks and locks on every
+    call, and the hot paths call it for every message. Only for metrics whose children are never removed
+    (the shard gauges are, when a shard is left)."""
+    key = (metric, *labels)
+    child = _CHILDREN.get(key)
+    if child is None:
+        child = _CHILDREN[key] = metric.labels(*labels)
+    return child
+
 
 TRANSITIONS = Counter(
     "saga_transitions",
@@ -124,11 +139,11 @@ WORKER_CONTAINERS = Histogram(
 
 def transition(kind: str, outcome: str) -> None:
     """A message (or timer) a shard handled, and what became of it."""
-    TRANSITIONS.labels(kind, outcome).inc()
+    _child(TRANSITIONS, kind, outcome).inc()
 
 
 def refused(reason: str) -> None:
-    REFUSED.labels(reason).inc()
+    _child(REFUSED, reason).inc()
 
 
 def batch(shard: str, size: int) -> None:
@@ -144,7 +159,7 @@ def container(size: int) -> None:
 
 
 def lua_call(function: str, seconds: float) -> None:
-    LUA_SECONDS.labels(function).observe(seconds)
+    _child(LUA_SECONDS, function).observe(seconds)
 
 
 def publish_confirmed(seconds: float) -> None:
@@ -232,12 +247,12 @@ def applied(
                 continue
             _attempt_ended(run_id, plan, entry.stage, entry.attempt, _ATTEMPT_ENDS[kind], now_ms, dispatches)
         elif kind == "run.started":
-            RUNS_STARTED.labels(plan.name, plan.version).inc()
+            _child(RUNS_STARTED, plan.name, plan.version).inc()
         elif kind in ("run.completed", "run.failed"):
-            RUNS_FINISHED.labels(plan.name, plan.version, kind[4:]).inc()
+            _child(RUNS_FINISHED, plan.name, plan.version, kind[4:]).inc()
             dispatches.forget(run_id)
         elif kind == "cancel.requested":
-            RUNS_CANCELLED.labels(plan.name, plan.version).inc()
+            _child(RUNS_CANCELLED, plan.name, plan.version).inc()
 
 
 def _attempt_ended(
@@ -253,7 +268,7 @@ def _attempt_ended(
     spec = plan.work(stage)
     if dispatched_ms is None or spec is None:
         return
-    STAGE_SECONDS.labels(spec.contract, outcome).observe(max(0, now_ms - dispatched_ms) / 1000)
+    _child(STAGE_SECONDS, spec.contract, outcome).observe(max(0, now_ms - dispatched_ms) / 1000)
 
 
 # ---- worker ---------------------------------------------------------------------------------------
@@ -262,9 +277,9 @@ def _attempt_ended(
 def task_done(contract: str, *, ok: bool, cancelled: bool, seconds: float | None) -> None:
     """A worker's task ended (``seconds``: how long its handler ran; None: it never started)."""
     outcome = "completed" if ok else "cancelled" if cancelled else "failed"
-    WORKER_TASKS.labels(contract, outcome).inc()
+    _child(WORKER_TASKS, contract, outcome).inc()
     if seconds is not None:
-        HANDLER_SECONDS.labels(contract).observe(seconds)
+        _child(HANDLER_SECONDS, contract).observe(seconds)
 
 
 def tasks_packed(size: int) -> None:
@@ -274,7 +289,7 @@ def tasks_packed(size: int) -> None:
 
 def task_spilled(contract: str) -> None:
     """A worker sent a packed task back to its queue alone (no slot came free in time, or it stops)."""
-    WORKER_TASKS_SPILLED.labels(contract).inc()
+    _child(WORKER_TASKS_SPILLED, contract).inc()
 
 
 def reports_batched(size: int) -> None:

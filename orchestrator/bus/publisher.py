@@ -179,14 +179,15 @@ class Publisher:
         """Publish ``messages``; returns the ids the broker confirmed. Tasks for one contract queue go to
         it packed (``pack_tasks``, or a bag's ``bodies.per_message``), each still signed on its own."""
         alone, packs = self._packed(messages, now_ms)
-        units: list[list[Outgoing]] = [[m] for m in alone] + [p.messages for p in packs]
-        if not units:
+        units: list[list[Outgoing]] = [[m] for m, _ in alone] + [p.messages for p in packs]
+        sends = [self._publish(m, now_ms, payload) for m, payload in alone]
+        sends += [self._publish_pack(p) for p in packs]
+        if not sends:
             return []
-        results = await asyncio.gather(
-            *(self._publish(m, now_ms) for m in alone),
-            *(self._publish_pack(p) for p in packs),
-            return_exceptions=True,
-        )
+        if len(sends) == 1:  # one message (a run on its own): awaited here, no task scheduled around it
+            results: list[BaseException | None] = [await _failure_of(sends[0])]
+        else:
+            results = await asyncio.gather(*sends, return_exceptions=True)
         confirmed = []
         for unit, result in zip(units, results, strict=True):
             if isinstance(result, BaseException):
@@ -200,13 +201,16 @@ class Publisher:
                 confirmed += [m.message_id for m in unit]
         return confirmed
 
-    def _packed(self, messages: Iterable[Outgoing], now_ms: int) -> tuple[list[Outgoing], list[_Pack]]:
-        """``messages`` split into those sent alone and packs of two or more tasks, each pack for one
-        contract queue, of at most ``pack_tasks`` (a bag's items: their ``per_message`` where larger) and
-        at most ``max_message_bytes`` (what a worker reads). Tasks of different runs share a pack: each
-        keeps its own envelope, and the worker settles the container once all have reported. Serial
-        tasks always travel alone (their queue hands out one task at a time)."""
-        alone: list[Outgoing] = []
+    def _packed(
+        self, messages: Iterable[Outgoing], now_ms: int
+    ) -> tuple[list[tuple[Outgoing, bytes | None]], list[_Pack]]:
+        """``messages`` split into those sent alone (with their signed bytes, where packing them signed
+        them already) and packs of two or more tasks, each pack for one contract queue, of at most
+        ``pack_tasks`` (a bag's items: their ``per_message`` where larger) and at most
+        ``max_message_bytes`` (what a worker reads). Tasks of different runs share a pack: each keeps its
+        own envelope, and the worker settles the container once all have reported. Serial tasks always
+        travel alone (their queue hands out one task at a time)."""
+        alone: list[tuple[Outgoing, bytes | None]] = []
         packs: list[_Pack] = []
         filling: dict[tuple[str, str], _Pack] = {}
         for message in messages:
@@ -217,12 +221,12 @@ class Publisher:
                 else 1
             )
             if per_message == 1:
-                alone.append(message)
+                alone.append((message, None))
                 continue
             try:
                 payload = message_bytes(message, self.signer, now_ms)
             except Exception:  # sent alone, it fails on its own (and is logged) instead of the whole call
-                alone.append(message)
+                alone.append((message, None))
                 continue
             key = (queue, str(message.body.get("contract", "")))
             pack = filling.get(key)
@@ -230,7 +234,7 @@ class Publisher:
                 pack = filling[key] = _Pack(*key)
                 packs.append(pack)
             pack.add(message, payload)
-        alone += [p.messages[0] for p in packs if len(p.messages) == 1]  # as it would go unpacked
+        alone += [(p.messages[0], p.payloads[0]) for p in packs if len(p.messages) == 1]  # as unpacked
         return alone, [p for p in packs if len(p.messages) > 1]
 
     async def _publish_pack(self, pack: _Pack) -> None:
@@ -251,27 +255,19 @@ class Publisher:
             for message in pack.messages:
                 TRACE.event("confirmed", message.message_id)
 
-    async def _publish(self, message: Outgoing, now_ms: int) -> None:
+    async def _publish(self, message: Outgoing, now_ms: int, payload: bytes | None = None) -> None:
+        """Publish one message on its own; ``payload``: its signed bytes, if already made."""
         kind, target = message.route
+        body = payload if payload is not None else message_bytes(message, self.signer, now_ms)
         if kind == "task":
-            await self._publish_task(message, target, now_ms)
+            contract = str(message.body.get("contract", ""))
+            await self._to_task_queue(target, contract, body, message.message_id)
             return
         exchange, mandatory = {
             "shard": (self.names.runs_exchange, True),
             "events": (self.names.events_exchange, False),  # nobody listening is fine
         }[kind]
-        await self.publish_bytes(
-            message_bytes(message, self.signer, now_ms),
-            message.message_id,
-            exchange,
-            target,
-            mandatory=mandatory,
-        )
-
-    async def _publish_task(self, message: Outgoing, queue: str, now_ms: int) -> None:
-        contract = str(message.body.get("contract", ""))
-        body = message_bytes(message, self.signer, now_ms)
-        await self._to_task_queue(queue, contract, body, message.message_id)
+        await self.publish_bytes(body, message.message_id, exchange, target, mandatory=mandatory)
 
     async def _to_task_queue(
         self,
@@ -481,3 +477,13 @@ class Publisher:
             mandatory=True,
         )
         metrics.refused(reason)
+
+
+async def _failure_of(sending: Awaitable[None]) -> Exception | None:
+    """What ``asyncio.gather(..., return_exceptions=True)`` would give for one awaitable: its exception,
+    or None. A cancellation is not caught: it cancels the caller, as it would the gather."""
+    try:
+        await sending
+    except Exception as exc:
+        return exc
+    return None

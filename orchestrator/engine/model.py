@@ -3,12 +3,36 @@ decision it returns. Plain frozen values; nothing here does I/O."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from enum import StrEnum
-from typing import Any
+from typing import Any, TypeVar
 
 from orchestrator.wire.outgoing import Outgoing
+
+_Frozen = TypeVar("_Frozen")
+
+
+def evolve(value: _Frozen, **changes: Any) -> _Frozen:
+    """``dataclasses.replace`` for this module's frozen values, at a fraction of its cost: a copy of
+    ``value``'s fields with ``changes`` over them, without calling ``__init__`` again (these classes do
+    nothing in it beyond storing the fields). Every transition copies a snapshot and a decision this way,
+    where ``replace`` cost several microseconds for each. An unknown field name raises, as ``replace``
+    does."""
+    cls: type = type(value)
+    unknown = changes.keys() - _field_names(cls)
+    if unknown:
+        raise TypeError(f"{cls.__name__} has no field {', '.join(sorted(unknown))}")
+    copied: _Frozen = object.__new__(cls)
+    copied.__dict__.update(value.__dict__)
+    copied.__dict__.update(changes)
+    return copied
+
+
+@functools.cache
+def _field_names(cls: type) -> frozenset[str]:
+    return frozenset(f.name for f in fields(cls))
 
 
 class RunStatus(StrEnum):

@@ -30,6 +30,7 @@ from orchestrator.engine.model import (
     StartRun,
     TimerFired,
     Verdict,
+    evolve,
 )
 from orchestrator.engine.plan import Plan
 from orchestrator.governance.lifecycle import NotStartable, State, choose
@@ -265,7 +266,7 @@ class Processor:
             # goes on from what was read, as any other transition does
             if decision.arrival is None or decision.arrival.release is None:
                 guard = Expect(RUN, "rev", (run.record or {}).get("rev"))
-                decision = dataclasses.replace(decision, expects=(*decision.expects, guard))
+                decision = evolve(decision, expects=(*decision.expects, guard))
         return plan, decision
 
     async def _with_members(self, shard: str, item: _Work, plan: Plan, snapshot: RunSnapshot) -> RunSnapshot:

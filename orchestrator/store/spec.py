@@ -11,7 +11,6 @@ that form (a hash of item -> result) finishes in the hash it began with.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -28,6 +27,7 @@ from orchestrator.engine.model import (
     RunStatus,
     StageRecord,
     StageStatus,
+    evolve,
 )
 from orchestrator.wire.outgoing import Outgoing
 
@@ -349,7 +349,7 @@ def snapshot_after(previous: RunSnapshot, record: Mapping[str, str], decision: D
                 else:
                     values[name] = int(value)
             changes[field] = values
-    return dataclasses.replace(previous, **changes)
+    return evolve(previous, **changes)
 
 
 def ordered_items(members: Mapping[str, str]) -> list[Any]:

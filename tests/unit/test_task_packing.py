@@ -105,8 +105,11 @@ def test_packs_hold_at_most_their_tasks_number_per_contract_queue_each_task_sign
     serial = Outgoing("task-300", Kind.TASK, ("task", "tasks.serial"), item(300).body)
     messages = [*(item(i) for i in range(7)), *other, single, lone, serial]
     alone, packs = publisher()._packed(messages, 0)
-    # a pack of one would be a plain message anyway: it goes as one
-    assert [m.message_id for m in alone] == ["release-1", "task-200", "task-300", "task-6"]
+    # a pack of one would be a plain message anyway: it goes as one, with the bytes packing signed
+    assert [m.message_id for m, _ in alone] == ["release-1", "task-200", "task-300", "task-6"]
+    signed = {m.message_id: payload for m, payload in alone if payload is not None}
+    assert list(signed) == ["task-6"]
+    assert decode(signed["task-6"], SIGNER, 1_048_576).message_id == "task-6"
     assert [[m.message_id for m in p.messages] for p in packs] == [
         ["task-0", "task-1", "task-2"],
         ["task-3", "task-4", "task-5"],
@@ -126,7 +129,7 @@ def test_a_pack_stays_within_the_message_size_its_reader_takes() -> None:
     alone, packs = publisher(limit)._packed(tasks, 0)
     assert sum(len(p.messages) for p in packs) + len(alone) == 10
     assert [len(p.messages) for p in packs] == [3, 3, 3]
-    assert [m.message_id for m in alone] == ["task-9"]
+    assert [m.message_id for m, _ in alone] == ["task-9"]
     for pack in packs:
         container = batch.pack(pack.payloads, pack.messages[0].message_id)
         assert len(container.body) <= limit
@@ -145,7 +148,7 @@ def test_tasks_of_many_runs_for_one_contract_queue_share_packs_of_at_most_pack_t
         ["task-10-render", "task-11-render"],
         [f"task-{i}" for i in range(5)],
     ]
-    assert [m.message_id for m in alone] == ["task-20-render", "task-21-render", "task-6-render"]
+    assert [m.message_id for m, _ in alone] == ["task-20-render", "task-21-render", "task-6-render"]
     for pack in packs:  # each task as it would travel alone, under its own run's identity
         container = batch.pack(pack.payloads, pack.messages[0].message_id)
         opened = batch.unpack(container.body, container.headers, 1_048_576)
