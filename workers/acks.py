@@ -15,7 +15,7 @@ import asyncio
 import heapq
 import logging
 
-from aio_pika.abc import AbstractIncomingMessage
+from orchestrator.bus.inbound import Delivered
 
 log = logging.getLogger(__name__)
 
@@ -24,12 +24,12 @@ class AckCoalescer:
     def __init__(self) -> None:
         self._pending: list[int] = []  # delivered, not yet settled (heap of tags)
         self._settled: set[int] = set()
-        self._ack_ready: dict[int, AbstractIncomingMessage] = {}
+        self._ack_ready: dict[int, Delivered] = {}
         self._scheduled = False
         self._tasks: set[asyncio.Future[None]] = set()
         self._channel: object = None  # tags count per channel: a reopened channel starts again at 1
 
-    def delivered(self, message: AbstractIncomingMessage) -> None:
+    def delivered(self, message: Delivered) -> None:
         channel = _channel_of(message)
         if channel is not self._channel:
             # The broker connection was re-established: deliveries of the old channel were requeued by
@@ -38,7 +38,7 @@ class AckCoalescer:
             self._channel = channel
         heapq.heappush(self._pending, message.delivery_tag or 0)
 
-    def settled(self, message: AbstractIncomingMessage, *, already_settled: bool = False) -> None:
+    def settled(self, message: Delivered, *, already_settled: bool = False) -> None:
         """The task's outcome is safe (result confirmed) or the message was nacked individually."""
         if _channel_of(message) is not self._channel:
             return  # delivered on a channel that is gone: the broker redelivers it
@@ -58,7 +58,7 @@ class AckCoalescer:
 
     async def flush(self) -> None:
         """Ack the longest settled prefix now (also called when the worker drains)."""
-        last: AbstractIncomingMessage | None = None
+        last: Delivered | None = None
         while self._pending and self._pending[0] in self._settled:
             tag = heapq.heappop(self._pending)
             self._settled.discard(tag)
@@ -72,8 +72,5 @@ class AckCoalescer:
                 log.warning("could not ack up to delivery %s; the broker will redeliver", last.delivery_tag)
 
 
-def _channel_of(message: AbstractIncomingMessage) -> object:
-    try:
-        return message.channel
-    except Exception:  # aio-pika raises once the channel is closed
-        return None
+def _channel_of(message: Delivered) -> object:
+    return message.channel

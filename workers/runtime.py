@@ -42,7 +42,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -56,6 +56,7 @@ from orchestrator import faults, logs, metrics
 from orchestrator.bus import batch
 from orchestrator.bus.connect import untracked_channel
 from orchestrator.bus.envelope import Envelope, EnvelopeRejected, Signer, decode, signed_message
+from orchestrator.bus.inbound import Delivered, Subscription
 from orchestrator.bus.names import SERIAL_TASKS, Names
 from orchestrator.bus.publisher import Publisher
 from orchestrator.bus.topology import TaskQueueLayout, declare_task_queue
@@ -152,8 +153,8 @@ class WorkerRuntime:
 
     def consuming(self) -> str | None:
         """None while the worker consumes every task queue it serves; else why not (``/readyz``,
-        ``orchestrator/health.py``). The channels are robust: after a reconnect aio-pika reopens them
-        with their consumers, and until then they are closed."""
+        ``orchestrator/health.py``). The channels are robust: after a reconnect aio-pika reopens them and
+        the subscriptions consume again, and until then they are closed."""
         if self._stopping.is_set():
             return "stopping"
         if not self._consuming_on:
@@ -208,8 +209,8 @@ class WorkerRuntime:
         serial_channel: AbstractChannel,
         publisher: Publisher,
         pool: ThreadPoolExecutor,
-    ) -> list[tuple[Any, str]]:
-        consumers = []
+    ) -> list[Callable[[], Awaitable[None]]]:
+        consumers: list[Callable[[], Awaitable[None]]] = []
         try:
             # listening before the first task comes: a cancellation sent while the task queues are still
             # being declared (a second or more on a new vhost) would otherwise reach no one
@@ -234,11 +235,11 @@ class WorkerRuntime:
             ) from exc
         return consumers
 
-    async def _drain(self, consumers: list[tuple[Any, str]], pool: ThreadPoolExecutor) -> None:
+    async def _drain(self, consumers: list[Callable[[], Awaitable[None]]], pool: ThreadPoolExecutor) -> None:
         """Stop taking deliveries, give back the ones still waiting, finish the ones running."""
-        for queue, tag in consumers:
+        for cancel in consumers:
             with contextlib.suppress(Exception):
-                await queue.cancel(tag)
+                await cancel()
         # only now: a delivery given back while its consumer still ran would come straight back
         self._giving_up = True
         for waiting in self._waiting.values():
@@ -260,27 +261,36 @@ class WorkerRuntime:
         publisher: Publisher,
         pool: ThreadPoolExecutor,
         serial: bool,
-    ) -> tuple[Any, str]:
+    ) -> Callable[[], Awaitable[None]]:
+        """Consume a contract queue; returns how to stop. Deliveries come straight from aiormq
+        (``orchestrator/bus/inbound.py``), consumed again after each reconnect."""
         layout = TaskQueueLayout.of(
             self.names, queue_name, contract, self.delivery_limit, self.quorum_group_size
         )
         await declare_task_queue(channel, layout)
-        # declared, not just named: the robust channel re-subscribes it after a reconnect
-        queue = await channel.declare_queue(layout.queue.name, passive=True)
+        # declared through the robust channel, which declares it again (passively) after a reconnect,
+        # before the subscription consumes it again
+        await channel.declare_queue(layout.queue.name, passive=True)
         # serial deliveries are acked one by one: a task waiting for the lane must not hold back the ack
         # of one that finished (a coalescer acks only the longest settled run of delivery tags)
         acks = None if serial else self._coalescers.setdefault(id(channel), AckCoalescer())
-        tag = await queue.consume(
-            lambda m: self._spawn(m, publisher, pool, acks, serial=serial), no_ack=False
+        subscription = Subscription(
+            channel, layout.queue.name, lambda m: self._spawn(m, publisher, pool, acks, serial=serial)
         )
-        return queue, tag
+        await subscription.start()
+        return subscription.cancel
 
-    async def _listen_for_cancellations(self, channel: AbstractChannel) -> tuple[Any, str]:
-        """A private queue (gone with this process) bound to every cancellation request."""
+    async def _listen_for_cancellations(self, channel: AbstractChannel) -> Callable[[], Awaitable[None]]:
+        """A private queue (gone with this process) bound to every cancellation request; returns how to
+        stop listening."""
         queue = await channel.declare_queue("", exclusive=True, auto_delete=True)
         await queue.bind(self.names.events_exchange, routing_key="cancel.#")
         tag = await queue.consume(self._on_cancel, no_ack=True)
-        return queue, tag
+
+        async def stop() -> None:
+            await queue.cancel(tag)
+
+        return stop
 
     async def _on_cancel(self, message: AbstractIncomingMessage) -> None:
         try:
@@ -312,9 +322,9 @@ class WorkerRuntime:
         with contextlib.suppress(Exception):
             await channel.close()
 
-    async def _spawn(
+    def _spawn(
         self,
-        message: AbstractIncomingMessage,
+        message: Delivered,
         publisher: Publisher,
         pool: ThreadPoolExecutor,
         acks: AckCoalescer | None,
@@ -335,7 +345,7 @@ class WorkerRuntime:
 
     async def _open(
         self,
-        message: AbstractIncomingMessage,
+        message: Delivered,
         publisher: Publisher,
         pool: ThreadPoolExecutor,
         settle: _Settle,
@@ -386,7 +396,7 @@ class WorkerRuntime:
     async def _split(
         self,
         publisher: Publisher,
-        message: AbstractIncomingMessage,
+        message: Delivered,
         payloads: list[bytes],
         settle: _Settle,
     ) -> None:
@@ -424,13 +434,10 @@ class WorkerRuntime:
         """Park a task (or a container, with the headers that make it one, so that a replay sends it as
         it came) that failed verification on the rejected queue, then settle it."""
         message_id = task.message_id or _task_id(task.body) or None
-        source = task.message.routing_key or ""  # task queues are bound under their own names
-        whole = task.body is task.message.body and batch.is_container(task.message.headers)
-        framing = (
-            {k: task.message.headers[k] for k in batch.HEADERS if k in task.message.headers}
-            if whole
-            else None
-        )
+        source = task.message.routing_key  # task queues are bound under their own names
+        headers = task.message.headers or {}
+        whole = task.body is task.message.body and batch.is_container(headers)
+        framing = {k: headers[k] for k in batch.HEADERS if k in headers} if whole else None
         try:
             await publisher.reject(task.body, exc.reason, exc.detail, source, message_id, headers=framing)
         except Exception as trouble:  # not parked: it goes back, to be refused again
@@ -776,7 +783,7 @@ class WorkerRuntime:
 class _Settle:
     """How a delivery is settled: through its channel's ack coalescer, or one by one (``acks`` None)."""
 
-    message: AbstractIncomingMessage
+    message: Delivered
     acks: AckCoalescer | None
 
     async def ack(self) -> None:
@@ -841,7 +848,7 @@ _Settles = _Settle | _PartSettle  # how a task is settled: its own delivery, or 
 class _Delivered:
     """One task as it came: a delivery of its own, or one of a container's (which share the delivery)."""
 
-    message: AbstractIncomingMessage
+    message: Delivered
     body: bytes
 
     @property
@@ -857,12 +864,10 @@ class _Delivered:
         return _task_id(self.body) if TRACE.enabled else ""
 
 
-async def _send_alone(
-    publisher: Publisher, container: AbstractIncomingMessage, payload: bytes, message_id: str
-) -> None:
+async def _send_alone(publisher: Publisher, container: Delivered, payload: bytes, message_id: str) -> None:
     """Send one task of ``container`` back to the queue the container came from, as a message of its own
     (confirmed): a redelivered container's split, and a packed task spilled or given back."""
-    await publisher.publish_bytes(payload, message_id, container.exchange or "", container.routing_key or "")
+    await publisher.publish_bytes(payload, message_id, container.exchange, container.routing_key)
 
 
 def _task_id(payload: bytes) -> str:
@@ -878,12 +883,9 @@ def _task_id(payload: bytes) -> str:
 REPORT_PATIENCE_S = 8.0
 
 
-def _alive(message: AbstractIncomingMessage) -> bool:
+def _alive(message: Delivered) -> bool:
     """Whether the channel a delivery came on is still open (only then can it be acked)."""
-    try:
-        return not message.channel.is_closed
-    except Exception:  # aio-pika raises once the channel is closed
-        return False
+    return not message.channel.is_closed
 
 
 @dataclass(frozen=True)

@@ -1,15 +1,21 @@
-"""Deliveries taken straight from aiormq: the few things a shard reads of a message, and its settling.
+"""Deliveries taken straight from aiormq: the few things a shard or a worker reads of a message, and its
+settling.
 
 aio-pika wraps every delivery in an ``IncomingMessage`` (each AMQP property copied through a validating
 ``__setattr__``) and runs the consumer's callback as a task of its own, on top of the task aiormq already
-runs per delivery; profiles of a busy orchestrator put that wrapping at several per cent of its time. A
-shard reads the body, the headers and the message id, and settles by delivery tag. Its channels are not
-robust (its loop opens a new channel and consumer after a reconnect), so consuming on the underlying
-aiormq channel loses nothing aio-pika would have restored.
+runs per delivery; profiles of a busy orchestrator put that wrapping at several per cent of its time, and
+a worker's traced deliveries took 0.12 ms from aiormq's read to its code (a shard's, 0.04). Both read the
+body, the headers, the message id and what routed it, and settle by delivery tag.
+
+A shard's channels are not robust (its loop opens a new channel and consumer after a reconnect):
+:func:`consume` is all it needs. A worker's are: aio-pika reopens them after a reconnect, with the
+consumers made through its own ``Queue`` objects only, so :class:`Subscription` consumes again itself
+each time its channel is reopened.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -17,6 +23,8 @@ from typing import Any
 import aiormq.abc
 from aio_pika.abc import AbstractChannel
 from aiormq.exceptions import ChannelInvalidStateError
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -28,6 +36,9 @@ class Delivered:
     message_id: str | None
     delivery_tag: int | None
     channel: aiormq.abc.AbstractChannel
+    redelivered: bool = False
+    exchange: str = ""
+    routing_key: str = ""
 
     @classmethod
     def of(cls, message: aiormq.abc.DeliveredMessage) -> Delivered:
@@ -38,6 +49,9 @@ class Delivered:
             properties.message_id,
             message.delivery_tag,
             message.channel,
+            bool(message.redelivered),
+            message.exchange or "",
+            message.routing_key or "",
         )
 
     def open_channel(self) -> aiormq.abc.AbstractChannel:
@@ -80,3 +94,42 @@ async def consume(channel: AbstractChannel, queue: str, put: Callable[[Delivered
     if consume_ok.consumer_tag is None:
         raise aiormq.exceptions.AMQPChannelError(f"the broker named no consumer for queue {queue}")
     return Consumer(underlay, consume_ok.consumer_tag)
+
+
+class Subscription:
+    """A consumer of ``queue`` on a (robust) aio-pika channel's aiormq channel, handing each delivery to
+    ``put`` as :func:`consume` does, that consumes again whenever aio-pika reopens the channel after a
+    reconnect (the old channel's unacked deliveries went back to the queue with it)."""
+
+    def __init__(self, channel: AbstractChannel, queue: str, put: Callable[[Delivered], None]) -> None:
+        self.channel = channel
+        self.queue = queue
+        self.put = put
+        self._consumer: Consumer | None = None
+        self._cancelled = False
+
+    async def start(self) -> None:
+        self._consumer = await consume(self.channel, self.queue, self.put)
+        reopened = getattr(self.channel, "reopen_callbacks", None)  # a robust channel's
+        if reopened is not None:
+            reopened.add(self._reopened)
+
+    async def _reopened(self, _channel: object) -> None:
+        # aio-pika gathers these callbacks' results without looking at them: a failure is logged here
+        if self._cancelled:
+            return
+        try:
+            self._consumer = await consume(self.channel, self.queue, self.put)
+        except Exception:
+            log.exception("could not consume %s again after the channel was reopened", self.queue)
+            raise
+
+    async def cancel(self) -> None:
+        """Stop taking deliveries (now and after any later reconnect)."""
+        self._cancelled = True
+        reopened = getattr(self.channel, "reopen_callbacks", None)
+        if reopened is not None:
+            reopened.discard(self._reopened)
+        consumer, self._consumer = self._consumer, None
+        if consumer is not None and not consumer.channel.is_closed:
+            await consumer.cancel()
