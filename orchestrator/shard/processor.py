@@ -10,7 +10,6 @@ state (typically: a duplicate or a late callback, recorded as such).
 from __future__ import annotations
 
 import dataclasses
-import secrets
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -31,7 +30,6 @@ from orchestrator.engine.model import (
     StartRun,
     TimerFired,
     Verdict,
-    Write,
     evolve,
 )
 from orchestrator.engine.plan import Plan
@@ -59,10 +57,6 @@ CONTINUES = frozenset(
 )
 
 MAX_CONFLICT_RETRIES = 8
-# A run's messages decided one after the other in one round, each from what the one before leaves.
-MAX_CHAINED = 16
-# The run field a transition followed by a chained one writes (a random tag), which that one expects.
-CHAIN = "chain"
 # What a message (or timer) for a run this shard does not hold becomes, by whether it names this shard.
 NOT_HERE = ("unknown-run", "wrong-shard")
 
@@ -93,11 +87,10 @@ class _Work:
 
 class Processor:
     """Every message takes one path: a batch advances its runs in rounds (a run's own messages stay in
-    order: those a round takes are decided one after the other, see :func:`_take`), each round reading
-    the records it needs in one pipeline and applying every transition in another. What a round cannot
-    settle goes into the next round as its run's next message, decided afresh from Redis: a transition
-    that conflicted with another actor's write, and a refusal decided from a kept record. A message on
-    its own is a batch of one."""
+    order, one per round), each round reading the records it needs in one pipeline and applying every
+    transition in another. What a round cannot settle goes into the next round as its run's next
+    message, decided afresh from Redis: a transition that conflicted with another actor's write, and a
+    refusal decided from a kept record. A message on its own is a batch of one."""
 
     def __init__(
         self, store: RedisStore, clock_ms: Callable[[], int], limits: Limits = DEFAULT_LIMITS
@@ -200,49 +193,26 @@ class Processor:
             raise
 
     async def _round(self, shard: str, work: list[_Work], outcomes: list[Outcome | None]) -> list[_Work]:
-        """Decide and apply the round's messages (see :func:`_take`), each run's in order; returns the work
-        to decide again next round, in batch order."""
+        """Decide and apply one message per run (a bag's item results together); returns the work to
+        decide again next round."""
         traced = [w.event.message_id for w in work]
         with TRACE.span("snapshot", traced):
             read = await self._read(shard, work)
         ready: list[tuple[_Work, Plan, Decision]] = []
         again: list[_Work] = []
         now = self.clock_ms()
-        previous: dict[str, _Work] = {}  # each run's message decided last in this round
-        last: dict[str, tuple[int, _Read]] = {}  # where in ``ready`` it is, and what it was decided from
-        waiting: set[str] = set()  # runs whose later messages wait for the next round
         with TRACE.span("engine", traced):
             for item in work:
-                run = item.run_id
-                if run in waiting:
-                    again.append(item)
-                    continue
-                view: _Read | None = read[run]
-                tag = None
-                if run in previous and not _same_bag(previous[run], item):
-                    chained = _chained(ready, last.pop(run, None))
-                    view, tag = chained if chained is not None else (None, None)
-                if view is None:
-                    waiting.add(run)
-                    again.append(item)
-                    continue
-                decided = await self._decide(shard, item, view, now)
-                previous[run] = item
+                decided = await self._decide(shard, item, read[item.run_id], now)
                 if isinstance(decided, Outcome):
                     outcomes[item.index] = decided
                 elif decided is None:
-                    waiting.add(run)
                     again.append(_afresh(item, shard, self.records))
                 else:
-                    plan, decision = decided
-                    if tag is not None:  # applied only after the transition it was decided after
-                        decision = evolve(decision, expects=(*decision.expects, Expect(RUN, CHAIN, tag)))
-                    if _item_success_of(item) is None:  # a bag's items are all decided from one read
-                        last[run] = (len(ready), view)
-                    ready.append((item, plan, decision))
+                    ready.append((item, *decided))
         with TRACE.span("lua", traced):
             again += await self._apply(shard, ready, outcomes, now, read)
-        return sorted(again, key=lambda w: w.index)
+        return again
 
     async def _read(self, shard: str, work: list[_Work]) -> dict[str, _Read]:
         """The record of every run of the round (a bag's items share it): kept from the run's last
@@ -541,64 +511,14 @@ def _afresh(item: _Work, shard: str, records: RunRecords, *, conflicted: bool = 
 
 
 def _take(queue: deque[_Work]) -> list[_Work]:
-    """A run's messages for this round: its next one; with it, when it reports a successful map item,
-    the item results of the same stage that follow it (arrivals commute: each checks only its own stage
-    fence and the run's intent, so all are decided from one read); else the messages that follow it
-    and need nothing read for them, each decided from what the one before it will leave of the run
-    (:func:`_chained`). So the two branches of a fork reported together are applied in one round
-    trip, the second releasing the join."""
+    """A run's next message for this round; successful map-item results of one stage travel together,
+    because arrivals commute (each checks only its own stage fence and the run's intent)."""
     first = queue.popleft()
     taken = [first]
     stage = _item_success_of(first)
-    if stage is not None:
-        while queue and _item_success_of(queue[0]) == stage:
-            taken.append(queue.popleft())
-        return taken
-    while queue and len(taken) < MAX_CHAINED and _chainable(queue[0]):
+    while stage is not None and queue and _item_success_of(queue[0]) == stage:
         taken.append(queue.popleft())
     return taken
-
-
-def _chainable(item: _Work) -> bool:
-    """Whether ``item`` may be decided from a prediction: not to be decided from a fresh read, not a
-    start, and not a message that reads more of its run first (a release, a nudge), nor a map item's
-    success (those travel in groups of their own)."""
-    event = item.event
-    return not (
-        item.fresh
-        or isinstance(event, (StartRun, BarrierReleased, Nudge))
-        or _item_success_of(item) is not None
-    )
-
-
-def _same_bag(before: _Work, item: _Work) -> bool:
-    """Whether ``item`` is one of a group of a map's item successes taken with ``before``."""
-    stage = _item_success_of(item)
-    return stage is not None and _item_success_of(before) == stage
-
-
-def _chained(
-    ready: list[tuple[_Work, Plan, Decision]], last: tuple[int, _Read] | None
-) -> tuple[_Read, str] | None:
-    """What the run's message decided last in this round (``ready[last[0]]``, decided from ``last[1]``)
-    will leave of its run once applied with nothing written in between: its next message in the round
-    is decided from that, and expects the tag the transition before it now writes, unique to this
-    decision (a revision alone could be reached another way: by another process's write where that
-    transition conflicted). None when the next message must wait for the next round: a run created or
-    finished, or none read. So nothing trusts the prediction: if the transition before was not applied
-    as decided, or anything else wrote the run, the next one is a CONFLICT and decided again."""
-    if last is None:
-        return None
-    at, view = last
-    item, plan, decision = ready[at]
-    if view.record is None or view.snapshot is None or decision.create or decision.finished:
-        return None
-    tag = secrets.token_hex(8)
-    decision = evolve(decision, writes=(*decision.writes, Write(RUN, {CHAIN: tag})))
-    ready[at] = (item, plan, decision)
-    rev = int(view.record.get("rev", "0")) + writes_run(decision)
-    record = record_after(view.record, decision, rev)
-    return _Read(record, snapshot_after(view.snapshot, record, decision), kept=True), tag
 
 
 def _item_success_of(item: _Work) -> str | None:

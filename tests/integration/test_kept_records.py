@@ -42,7 +42,6 @@ class CountingStore(RedisStore):
 
     conflicts: list[str]
     read_runs: list[str]
-    applies: int = 0  # apply_many calls: round trips of transitions
 
     @property
     def reads(self) -> int:
@@ -61,7 +60,6 @@ class CountingStore(RedisStore):
         return await super().run_digest(shard, run_id)
 
     async def apply_many(self, *args: Any, **kwargs: Any) -> list[ApplyResult]:
-        self.applies += 1
         results = await super().apply_many(*args, **kwargs)
         self.conflicts += [r.detail for r in results if r.code == CONFLICT]
         return results
@@ -332,62 +330,6 @@ def test_a_message_decided_again_keeps_its_place_before_its_runs_later_ones() ->
         completed = [i for i, kind in enumerate(kinds) if kind == "stage.completed"]
         assert len(completed) == 2 and completed[-1] < kinds.index("cancel.requested"), kinds
         assert "callback.rejected" not in kinds, kinds
-        await settled_and_sound(here, store, client, [run], "failed")
-
-    asyncio.run(with_store(main))
-
-
-def test_a_forks_results_in_one_batch_are_applied_in_one_round_trip_the_last_releasing_its_join() -> None:
-    """The two branches of model-ingest's fork reported in one batch (as a worker's batched results
-    bring them): the second is decided from what the first will leave, so both go in one round trip
-    and the second releases the join and dispatches its successor; records and invariants hold."""
-
-    async def main(store: CountingStore, client: aioredis.Redis) -> None:
-        here = Processor(store, lambda: int(time.time() * 1000))
-        (run,) = await start(
-            store, here, compiled("model-ingest"), "model-ingest", [{"modelId": "miss-fork"}]
-        )
-        await here.handle_batch(SHARD, [report(await only_task(store))])  # render is dispatched
-        await here.handle_batch(SHARD, [report(await only_task(store))])  # the fork's two branches
-        entries = [outgoing_from_payload(p) for p in (await store.outbox(SHARD)).values()]
-        await store.mark_sent(SHARD, [m.message_id for m in entries])
-        branches = sorted((m for m in entries if m.kind == "task"), key=lambda m: str(m.body["stage"]))
-        assert [m.body["stage"] for m in branches] == ["semantic-analysis", "technical-metadata"]
-        store.applies = 0
-        outcomes = await here.handle_batch(SHARD, [report(b) for b in branches])
-        assert store.applies == 1 and not store.conflicts and store.reads == 0
-        assert [o.verdict.value if o.verdict else None for o in outcomes] == ["applied", "applied"]
-        (published,) = outcomes[1].publish  # the last branch's own transition dispatched the successor
-        assert published.body["stage"] == "publish" and not outcomes[0].publish
-        kinds = [e["kind"] for e in await store.history(SHARD, run)]
-        assert kinds.count("join.released") == 1, kinds
-        await assert_kept_records_are_redis(here, store, client)
-        await settled_and_sound(here, store, client, [run], "completed")
-
-    asyncio.run(with_store(main))
-
-
-def test_a_message_decided_after_one_that_is_refused_as_a_duplicate_is_decided_again() -> None:
-    """A batch holds a result another process applied already (this one's record does not know) and,
-    after it, a cancel of the same run decided from what that result would have left: the store refuses
-    the result as a duplicate and writes nothing, so the cancel, whose prediction is wrong although the
-    run's revision is the one it predicts, meets a conflict and is decided again from Redis."""
-
-    async def main(store: CountingStore, client: aioredis.Redis) -> None:
-        here = Processor(store, lambda: int(time.time() * 1000))
-        elsewhere = Processor(store, lambda: int(time.time() * 1000))
-        (run,) = await start(store, here, compiled("model-ingest"), "model-ingest", [{"modelId": "miss-dup"}])
-        lookup = await only_task(store)
-        await here.handle_batch(SHARD, [report(lookup)])  # render is dispatched
-        render = await only_task(store)
-        await elsewhere.handle_batch(SHARD, [report(render)])  # applied elsewhere: here's record is stale
-        store.conflicts.clear()
-        outcomes = await here.handle_batch(SHARD, [report(render), cancel_request(run)])
-        assert store.conflicts == ["chain"], "the cancel was decided after a result that wrote nothing"
-        assert outcomes[0].publish == []  # the store refused the result: nothing is sent again
-        kinds = [e["kind"] for e in await store.history(SHARD, run)]
-        assert kinds.count("stage.completed") == 2 and kinds.count("cancel.requested") == 1, kinds
-        assert kinds.index("cancel.requested") > max(i for i, k in enumerate(kinds) if k == "stage.completed")
         await settled_and_sound(here, store, client, [run], "failed")
 
     asyncio.run(with_store(main))
