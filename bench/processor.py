@@ -2,7 +2,8 @@
 
 Starts ``--runs`` runs and answers every task they send, each answer as a worker would report it, in
 batches of ``--batch`` (a shard's prefetch), against the local Redis under its own key prefix; only the
-processor's calls are timed (decode, the reports' signing and the outbox reads are not). It isolates what
+processor's calls are timed (decode, the reports' signing and the outbox reads are not), with the
+garbage collector paced as in the orchestrator process (``orchestrator/gc_tuning.py``). It isolates what
 the engine, the processor and redis-py cost per message from the transport, so a change to them can be
 measured without the noise of a whole bench. Prints one JSON line per repeat, then the best.
 
@@ -21,6 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from orchestrator import gc_tuning
 from orchestrator.bus.envelope import Envelope
 from orchestrator.bus.publisher import envelope_for, outgoing_from_payload
 from orchestrator.client import start_envelope
@@ -80,6 +82,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args()
+    gc_tuning.tune()  # the collector's pace of the orchestrator process
     sittings = []
     for _ in range(args.repeat):
         figures = asyncio.run(one_sitting(args.runs, args.batch))

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import aio_pika
 import click
 
-from orchestrator import health, logs, metrics
+from orchestrator import gc_tuning, health, logs, metrics
 from orchestrator.bus import names
 from orchestrator.bus.connect import connect_robust, untracked_channel
 from orchestrator.bus.envelope import Signer
@@ -73,6 +73,7 @@ def _serve(make: Any, readiness: health.Readiness | None = None, redis_timeout_s
 
     async def main() -> None:
         service, cleanup, checks = await make()
+        gc_tuning.tune()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, service.stop)
