@@ -73,7 +73,6 @@ def _serve(make: Any, readiness: health.Readiness | None = None, redis_timeout_s
 
     async def main() -> None:
         service, cleanup, checks = await make()
-        gc_tuning.tune()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, service.stop)
@@ -196,6 +195,7 @@ def orchestrator(
             await connection.close()
             await client.aclose()
 
+        gc_tuning.tune()  # started: what it holds from now on is its work's
         return service, cleanup, health.Checks(client.ping, connection, service.consuming)
 
     pinned_to = f"shards {', '.join(shard_ids)}" if shards else f"its share of {', '.join(classes)}"

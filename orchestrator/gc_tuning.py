@@ -1,4 +1,4 @@
-"""The garbage collector's pace in the long-lived processes (``saga orchestrator``, ``saga worker``).
+"""The garbage collector's pace in the orchestrator process (``saga orchestrator``).
 
 A transition allocates hundreds of short-lived containers (its snapshot, decision, spec and JSON), none of
 them in reference cycles that outlive it. With CPython's default threshold (a young-generation pass every
@@ -7,7 +7,9 @@ everything the process holds (its kept run records, compiled plans) far more oft
 for: ``bench/processor.py`` spent 15-20 % of its CPU in it. Young passes now come every 50,000
 allocations (older generations keep their default ratios), and what a process holds once started
 (modules, settings, connections, compiled plans) is frozen out of every pass. Cyclic garbage is still
-collected; it waits a little longer.
+collected; it waits a little longer. Workers keep CPython's pace: a task's payload can be large and
+held by a reference cycle (an exception's traceback), which a slower pace would keep for longer, and their
+CPU is mostly the broker's and the handlers'.
 """
 
 from __future__ import annotations

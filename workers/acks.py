@@ -40,7 +40,7 @@ class AckCoalescer:
 
     def settled(self, message: Delivered, *, already_settled: bool = False) -> None:
         """The task's outcome is safe (result confirmed) or the message was nacked individually."""
-        if _channel_of(message) is not self._channel:
+        if _channel_of(message) is not self._channel or message.channel.is_closed:
             return  # delivered on a channel that is gone: the broker redelivers it
         tag = message.delivery_tag or 0
         self._settled.add(tag)
@@ -67,7 +67,10 @@ class AckCoalescer:
             try:
                 # queued, not waited for: aio-pika's ack waits for its own socket write and drain, so the
                 # ack would leave alone; unwaited, it joins the turn's publishes in one write
-                await last.channel.basic_ack(delivery_tag=last.delivery_tag, multiple=True, wait=False)
+                # on the channel it came on, if still open: a frame for a closed channel number would close
+                # the connection, or settle the deliveries of a new channel given the same number
+                channel = last.open_channel()
+                await channel.basic_ack(delivery_tag=last.delivery_tag, multiple=True, wait=False)
             except Exception:  # the channel is gone: the broker requeues every unacked delivery
                 log.warning("could not ack up to delivery %s; the broker will redeliver", last.delivery_tag)
 

@@ -15,6 +15,7 @@ each time its channel is reopened.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -99,7 +100,15 @@ async def consume(channel: AbstractChannel, queue: str, put: Callable[[Delivered
 class Subscription:
     """A consumer of ``queue`` on a (robust) aio-pika channel's aiormq channel, handing each delivery to
     ``put`` as :func:`consume` does, that consumes again whenever aio-pika reopens the channel after a
-    reconnect (the old channel's unacked deliveries went back to the queue with it)."""
+    reconnect (the old channel's unacked deliveries went back to the queue with it).
+
+    aio-pika calls its reopen callbacks while it still holds the channel's restore lock, after marking
+    the channel restored: a callback that waited for the broker there would let a drop in the meantime
+    go unrestored for good. So the callback only makes sure one task is at work, and that task waits
+    until the channel is ready, consumes on the channel as it is then, and tries again after a failure
+    (the channel dropped again meanwhile) until it has a consumer or the subscription is cancelled."""
+
+    RETRY_S = 0.5
 
     def __init__(self, channel: AbstractChannel, queue: str, put: Callable[[Delivered], None]) -> None:
         self.channel = channel
@@ -107,6 +116,8 @@ class Subscription:
         self.put = put
         self._consumer: Consumer | None = None
         self._cancelled = False
+        self._resubscribing: asyncio.Task[None] | None = None
+        self._consuming = False  # a basic_consume is on its way: not to be interrupted
 
     async def start(self) -> None:
         self._consumer = await consume(self.channel, self.queue, self.put)
@@ -114,15 +125,38 @@ class Subscription:
         if reopened is not None:
             reopened.add(self._reopened)
 
-    async def _reopened(self, _channel: object) -> None:
-        # aio-pika gathers these callbacks' results without looking at them: a failure is logged here
-        if self._cancelled:
-            return
-        try:
-            self._consumer = await consume(self.channel, self.queue, self.put)
-        except Exception:
-            log.exception("could not consume %s again after the channel was reopened", self.queue)
-            raise
+    def _reopened(self, _channel: object) -> None:
+        if self._cancelled or (self._resubscribing is not None and not self._resubscribing.done()):
+            return  # the task at work consumes on the channel as it is once ready
+        self._resubscribing = asyncio.get_running_loop().create_task(self._resubscribe())
+
+    async def _resubscribe(self) -> None:
+        ready = getattr(self.channel, "ready", None)
+        while not self._cancelled:
+            try:
+                if ready is not None:
+                    await ready()
+                underlay = await self.channel.get_underlay_channel()
+                current = self._consumer
+                if current is not None and current.channel is underlay and not underlay.is_closed:
+                    return  # already consuming on this channel
+                self._consuming = True
+                try:
+                    consumer = await consume(self.channel, self.queue, self.put)
+                finally:
+                    self._consuming = False
+                if self._cancelled:  # cancelled while the consume was on its way: undo it
+                    await consumer.cancel()
+                    return
+                self._consumer = consumer
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning(
+                    "could not consume %s again after a reconnect (%s); trying again", self.queue, exc
+                )
+                await asyncio.sleep(self.RETRY_S)
 
     async def cancel(self) -> None:
         """Stop taking deliveries (now and after any later reconnect)."""
@@ -130,6 +164,12 @@ class Subscription:
         reopened = getattr(self.channel, "reopen_callbacks", None)
         if reopened is not None:
             reopened.discard(self._reopened)
+        task = self._resubscribing
+        if task is not None and not task.done():
+            if self._consuming:  # it sees the flag once its consume is answered, and undoes it
+                await asyncio.wait([task], timeout=self.RETRY_S * 10)
+            else:
+                task.cancel()
         consumer, self._consumer = self._consumer, None
         if consumer is not None and not consumer.channel.is_closed:
             await consumer.cancel()

@@ -479,11 +479,17 @@ class Publisher:
         metrics.refused(reason)
 
 
-async def _failure_of(sending: Awaitable[None]) -> Exception | None:
-    """What ``asyncio.gather(..., return_exceptions=True)`` would give for one awaitable: its exception,
-    or None. A cancellation is not caught: it cancels the caller, as it would the gather."""
+async def _failure_of(sending: Awaitable[None]) -> BaseException | None:
+    """What ``asyncio.gather(..., return_exceptions=True)`` gives for one awaitable: its exception, or
+    None. A cancellation of the caller itself propagates; one from inside the send (aiormq cancels the
+    confirms of a channel that closed) is the send's failure, as gather would report it."""
     try:
         await sending
+    except asyncio.CancelledError as exc:
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            raise
+        return exc
     except Exception as exc:
         return exc
     return None

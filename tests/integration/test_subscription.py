@@ -62,15 +62,16 @@ async def until_consumed(name: str, want: int) -> None:
     raise AssertionError(f"{QUEUE} never had {want} consumer(s)")
 
 
-async def reopened(channel: aio_pika.abc.AbstractChannel, before: object) -> None:
-    """Wait until aio-pika has reopened ``channel`` on a new connection."""
-    for _ in range(int(WAIT_S / 0.1)):
-        await asyncio.sleep(0.1)
+async def reopened(channel: aio_pika.abc.AbstractChannel, before: object, poll_s: float = 0.1) -> object:
+    """Wait until aio-pika has reopened ``channel`` on a new connection; its new aiormq channel."""
+    for _ in range(int(WAIT_S / poll_s)):
+        await asyncio.sleep(poll_s)
         try:
-            if await asyncio.wait_for(channel.get_underlay_channel(), 1.0) is not before:
-                return
+            now = await asyncio.wait_for(channel.get_underlay_channel(), 1.0)
         except Exception:  # closed, or still reconnecting
             continue
+        if now is not before and not now.is_closed:
+            return now
     raise AssertionError("the channel was never reopened")
 
 
@@ -95,13 +96,28 @@ def test_a_subscription_consumes_again_after_the_broker_drops_its_connection_and
                 )
                 await first.ack()
 
+                consumed_on = await channel.get_underlay_channel()
                 rabbitmqctl("close_all_connections", "--vhost", name, "the test drops the connection")
-                await until_consumed(name, 0)
+                consumed_on = await reopened(channel, consumed_on)
                 await until_consumed(name, 1)  # aio-pika reopened the channel; the subscription consumed
                 await publish(url, b"after")
                 second = await next_of(inbox)
                 assert second.body == b"after" and second.channel is not first.channel
                 await second.ack()
+
+                # dropped again, and again as soon as aio-pika has reopened the channel (its restore and
+                # the subscription's consume may still be on their way): one consumer in the end
+                rabbitmqctl("close_all_connections", "--vhost", name, "the test drops the connection")
+                consumed_on = await reopened(channel, consumed_on, poll_s=0.005)
+                rabbitmqctl("close_all_connections", "--vhost", name, "the test drops it during the restore")
+                await reopened(channel, consumed_on)
+                await until_consumed(name, 1)
+                await asyncio.sleep(1.0)
+                assert consumers(name) == 1, "consumed twice, or not at all"
+                await publish(url, b"again")
+                third = await next_of(inbox)
+                assert third.body == b"again" and inbox.empty()
+                await third.ack()
 
                 await subscription.cancel()
                 await until_consumed(name, 0)

@@ -14,6 +14,7 @@ class FakeChannel:
     """The AMQP channel a delivery came on: records the acks written to it."""
 
     acks: list[tuple[int, bool]] = field(default_factory=list)
+    is_closed: bool = False
 
     async def basic_ack(self, delivery_tag: int, multiple: bool = False, wait: bool = True) -> None:
         assert not wait, "a coalesced ack is queued, not waited for (it joins the turn's other frames)"
@@ -24,6 +25,11 @@ class FakeChannel:
 class FakeMessage:
     delivery_tag: int
     channel: FakeChannel
+
+    def open_channel(self) -> FakeChannel:
+        if self.channel.is_closed:
+            raise RuntimeError("its channel closed")
+        return self.channel
 
 
 def run(steps: Any) -> None:
@@ -85,3 +91,25 @@ def test_a_new_channel_forgets_the_old_ones_tags() -> None:
     run(steps)
     assert stuck.channel.acks == []  # nothing acked on the dead channel
     assert fresh.channel.acks == [(1, True)]  # and the old tag 7 does not block the new channel
+
+
+def test_nothing_is_acked_on_a_channel_that_closed_before_a_new_one_delivered() -> None:
+    """The channel closed (its connection dropped, or the broker closed it) and no delivery came on a
+    new one yet: tasks that finish now are not acked on it (a frame for a closed channel's number would
+    close the connection, or settle another channel's deliveries); the broker redelivers them."""
+    channel = FakeChannel()
+    messages = [FakeMessage(tag, channel) for tag in (1, 2, 3)]
+
+    async def steps() -> None:
+        acks = AckCoalescer()
+        for m in messages:
+            acks.delivered(m)  # type: ignore[arg-type]
+        acks.settled(messages[0])  # type: ignore[arg-type]
+        channel.is_closed = True  # before the turn's flush
+        acks.settled(messages[1])  # type: ignore[arg-type]
+        await acks.flush()
+        acks.settled(messages[2])  # type: ignore[arg-type]
+        await acks.flush()
+
+    run(steps)
+    assert channel.acks == []
