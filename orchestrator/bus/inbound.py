@@ -150,13 +150,18 @@ class Subscription:
                     return
                 self._consumer = consumer
                 return
-            except asyncio.CancelledError:
-                raise
+            except asyncio.CancelledError as exc:
+                task = asyncio.current_task()
+                if task is None or task.cancelling():
+                    raise  # cancel() stopped it
+                # aiormq cancels what waits on a channel that closes: the channel dropped again
+                self._failed(exc)
             except Exception as exc:
-                log.warning(
-                    "could not consume %s again after a reconnect (%s); trying again", self.queue, exc
-                )
-                await asyncio.sleep(self.RETRY_S)
+                self._failed(exc)
+            await asyncio.sleep(self.RETRY_S)
+
+    def _failed(self, exc: BaseException) -> None:
+        log.warning("could not consume %s again after a reconnect (%r); trying again", self.queue, exc)
 
     async def cancel(self) -> None:
         """Stop taking deliveries (now and after any later reconnect)."""
