@@ -30,7 +30,7 @@ class AckCoalescer:
         self._channel: object = None  # tags count per channel: a reopened channel starts again at 1
 
     def delivered(self, message: Delivered) -> None:
-        channel = _channel_of(message)
+        channel = message.channel
         if channel is not self._channel:
             # The broker connection was re-established: deliveries of the old channel were requeued by
             # the broker and can no longer be acked; forget them, or their tags would block every ack.
@@ -40,7 +40,7 @@ class AckCoalescer:
 
     def settled(self, message: Delivered, *, already_settled: bool = False) -> None:
         """The task's outcome is safe (result confirmed) or the message was nacked individually."""
-        if _channel_of(message) is not self._channel or message.channel.is_closed:
+        if message.channel is not self._channel or not message.settleable:
             return  # delivered on a channel that is gone: the broker redelivers it
         tag = message.delivery_tag or 0
         self._settled.add(tag)
@@ -73,7 +73,3 @@ class AckCoalescer:
                 await channel.basic_ack(delivery_tag=last.delivery_tag, multiple=True, wait=False)
             except Exception:  # the channel is gone: the broker requeues every unacked delivery
                 log.warning("could not ack up to delivery %s; the broker will redeliver", last.delivery_tag)
-
-
-def _channel_of(message: Delivered) -> object:
-    return message.channel

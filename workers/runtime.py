@@ -404,7 +404,7 @@ class WorkerRuntime:
         it; any that could not be sent make the whole container go back (those sent are duplicates,
         recognised by their ids). Nothing is re-sent once its channel closed: the broker has taken the
         container back for another consumer, which splits it itself."""
-        if not _alive(message):
+        if not message.settleable:
             return
         sent = await asyncio.gather(
             *(_send_alone(publisher, message, p, _task_id(p)) for p in payloads),
@@ -479,7 +479,7 @@ class WorkerRuntime:
             await self._give_back(publisher, delivered, envelope, settle)
             return
         try:
-            if not _alive(message):
+            if not message.settleable:
                 return  # its channel closed while it waited: the broker gave it to another consumer
             if turn.cancelled:
                 outcome = Outcome(
@@ -577,7 +577,7 @@ class WorkerRuntime:
         channel closed (the broker took the container back: nothing is left to settle); False when it
         could not be sent: the caller waits for a slot after all."""
         message = delivered.message
-        if not _alive(message):
+        if not message.settleable:
             return True
         try:
             await _send_alone(publisher, message, delivered.body, envelope.message_id)
@@ -881,11 +881,6 @@ def _task_id(payload: bytes) -> str:
 
 #: How long a worker keeps trying a report the broker refuses or does not confirm before the task goes back.
 REPORT_PATIENCE_S = 8.0
-
-
-def _alive(message: Delivered) -> bool:
-    """Whether the channel a delivery came on is still open (only then can it be acked)."""
-    return not message.channel.is_closed
 
 
 @dataclass(frozen=True)

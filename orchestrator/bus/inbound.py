@@ -55,11 +55,17 @@ class Delivered:
             message.routing_key or "",
         )
 
+    @property
+    def settleable(self) -> bool:
+        """Whether the channel it came on is still open: only there can it be settled. A delivery tag
+        means something only on the channel it came on: once that closed, its number may already belong
+        to a new channel, which must not get the ack, and a frame on a closed channel would close the
+        whole connection."""
+        return not self.channel.is_closed
+
     def open_channel(self) -> aiormq.abc.AbstractChannel:
-        """The channel to settle this delivery on. A delivery tag means something only on the channel it
-        came on: once that closed, its number may already belong to a new channel, which must not get
-        the ack, and a frame on a closed channel would close the whole connection. Raises then."""
-        if self.channel.is_closed:
+        """The channel to settle this delivery on; raises once it closed (see :attr:`settleable`)."""
+        if not self.settleable:
             raise ChannelInvalidStateError(f"delivery {self.message_id}: its channel closed")
         return self.channel
 

@@ -26,8 +26,12 @@ class FakeMessage:
     delivery_tag: int
     channel: FakeChannel
 
+    @property
+    def settleable(self) -> bool:
+        return not self.channel.is_closed
+
     def open_channel(self) -> FakeChannel:
-        if self.channel.is_closed:
+        if not self.settleable:
             raise RuntimeError("its channel closed")
         return self.channel
 

@@ -10,6 +10,7 @@ import asyncio
 from typing import Any
 
 from orchestrator.bus.envelope import Envelope, Signer
+from orchestrator.bus.inbound import Delivered
 from orchestrator.wire.kinds import Kind
 from tests.unit.test_task_packing import Settled
 from workers.runtime import Turn, WorkerRuntime, _Delivered, _Spill
@@ -22,15 +23,17 @@ class Channel:
         self.is_closed = closed
 
 
-class Container:
-    """What a worker reads of the delivery of a container (an aio-pika incoming message)."""
-
-    def __init__(self, closed: bool = False) -> None:
-        self.body = b"the container's frames"
-        self.exchange = "saga.tasks"
-        self.routing_key = QUEUE
-        self.message_id = "container-1"
-        self.channel = Channel(closed)
+def container(closed: bool = False) -> Delivered:
+    """A worker's delivery of a container, on a channel open or closed."""
+    return Delivered(
+        b"the container's frames",
+        None,
+        "container-1",
+        1,
+        Channel(closed),  # type: ignore[arg-type]  # only its state is read
+        exchange="saga.tasks",
+        routing_key=QUEUE,
+    )
 
 
 class Publisher:
@@ -70,12 +73,12 @@ KEY = ("run-7", "render", "1.1")
 
 
 def packed(closed: bool = False) -> _Delivered:
-    return _Delivered(Container(closed), b"the task's own signed bytes")  # type: ignore[arg-type]
+    return _Delivered(container(closed), b"the task's own signed bytes")
 
 
 def alone() -> _Delivered:
-    message = Container()
-    return _Delivered(message, message.body)  # type: ignore[arg-type]
+    message = container()
+    return _Delivered(message, message.body)
 
 
 def test_a_packed_task_with_no_free_slot_in_time_is_to_be_spilled_and_leaks_no_slot() -> None:
