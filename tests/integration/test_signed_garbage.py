@@ -189,8 +189,11 @@ async def deliver(live: Live, raw: bytes) -> Outcome:
 def test_signed_garbage_is_refused_changes_nothing_and_the_run_completes(live: Live) -> None:
     refusals: dict[str, int] = {}
 
+    # Derandomized: the coverage check after the draws (every kind of refusal reached) must not depend on
+    # the luck of one seed; the same 400 draws every run, changed only by a change of the strategies
     @settings(
         max_examples=400,
+        derandomize=True,
         deadline=None,
         suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
     )

@@ -107,8 +107,15 @@ def test_two_apps_share_the_queues_and_tasks_serial_is_serial(stack: Stack) -> N
 
     # And no two serial handlers ever overlapped, the timed-out and cancelled ones included (their threads
     # ran on past their attempt's end, holding the serial lane until they returned)
-    serial = intervals(stack, "serial")
-    assert len(serial) >= RUNS + (RUNS - len(TIMES_OUT) - len(CANCELLED))
+    # (a timed-out attempt's handler runs on after its run has failed and records its interval when it
+    # returns: wait for every handler to have returned, not only for every run to have ended)
+    expected = RUNS + (RUNS - len(TIMES_OUT) - len(CANCELLED))
+
+    def every_serial_interval() -> list[dict[str, Any]] | None:
+        rows = intervals(stack, "serial")
+        return rows if len(rows) >= expected else None
+
+    serial = poll(every_serial_interval, 30, what=f"{expected} serial handlers to return")
     assert {r["contract"] for r in serial} == {"probe.serial-a@1", "probe.serial-b@1"}
     assert len({r["pid"] for r in serial}) == 2  # both processes took serial tasks
     overlaps = [(a, b) for a, b in pairwise(serial) if b["start"] < a["end"]]
