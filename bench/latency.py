@@ -1,32 +1,38 @@
 """Where a model-ingest run's latency goes: per hop kind, per processing step, against the bare hop.
 
-    python bench/latency.py [--runs 20] [--pings 200] [--idle-ms 3] [--keep]
+    python bench/latency.py [--plain-runs 200] [--runs 20] [--pings 200] [--idle-ms 3] [--keep]
 
-Runs one orchestrator and one worker (no-op handlers, as ``bench/run.py``) with tracing on
-(``SAGA_TRACE_DIR``, ``orchestrator/trace.py``), the client in this process tracing too, and ``--runs``
-model-ingest runs one after another (after one warm-up run). Then, on the same broker and vhost, the
-bare hop: a persistent message published with a confirm to a quorum queue and delivered to a consumer on
-another connection, ``--pings`` times one after another, and again each after ``--idle-ms`` (3) of idle
-time; and a Redis round trip (a PING through redis-py) both ways. It prints JSON lines, as
+First the latency itself, untraced: one orchestrator and one worker (no-op handlers, as ``bench/run.py``)
+and ``--plain-runs`` model-ingest runs back to back (after one warm-up run), each timed as ``bench/run.py``
+times its single runs (the client's publish of the start until a 1 ms poll sees the run completed).
+Tracing writes a line for every step of every message and slows each hop it measures, so the figures
+the targets are judged by come from runs it is off for. Then the breakdown: a second stack with tracing
+on (``SAGA_TRACE_DIR``, ``orchestrator/trace.py``), the client in this process tracing too, and ``--runs``
+model-ingest runs one after another, each after 50 ms of idle time. Then, on the same broker and vhost,
+the bare hop: a persistent message published with a confirm to a quorum queue and delivered to a consumer
+on another connection, ``--pings`` times one after another, and again each after ``--idle-ms`` (3) of
+idle time; and a Redis round trip (a PING through redis-py) both ways. It prints JSON lines, as
 ``bench/run.py`` does:
 
-- ``latency p50``: the runs' latency, from the client's publish of the start to the end of the
-  transition that ended the run (its finaliser's result applied), on the machine's one clock;
-- ``hop p50`` per hop kind: ``start`` (client -> shard), ``task`` (shard -> worker), ``result``
+- ``latency p50``: the untraced runs' latency; ``traced latency p50``: the traced runs', from the
+  client's publish of the start to the end of the transition that ended the run (its finaliser's result
+  applied), on the machine's one clock;
+- ``hop p50`` per hop kind (traced): ``start`` (client -> shard), ``task`` (shard -> worker), ``result``
   (worker -> shard): from the sender's publish to the receiver's delivery; ``bare hop p50`` beside them,
   and ``bare hop after idle p50`` (a run's hops follow idle time: on this kind of machine waking the
   processes up costs a few tenths of a millisecond per hop), ``redis round trip p50`` and ``... after
   idle p50`` (a transition's commit is one such round trip);
-- ``step p50`` per process and step: orchestrator ``inbox`` (delivered, waiting for its batch),
+- ``step p50`` per process and step (traced): orchestrator ``inbox`` (delivered, waiting for its batch),
   ``decode`` (decode and verify), ``snapshot`` (the runs' read), ``engine``, ``lua`` (the transitions'
   call: their specs built, the round trip, the records kept), ``fcall`` (the round trip alone, inside
   ``lua``), ``local`` (barrier releases applied in-process), ``ack``, ``publish`` (publish and confirm),
   ``mark_sent``; worker ``inbox``, ``decode``, ``handler``, ``publish`` (the result, to its confirm),
   ``ack``; the client's ``publish``;
 - ``own time per hop``: (latency - critical-path hops x bare hop - handler time) / hops, the time that is
-  saga's own; the critical path of model-ingest is 11 hops (the start, then a task and its result for
-  cache-lookup, render, the fork's branches in parallel, publish and the finaliser; the join is released
-  by its last branch's transition);
+  saga's own, with its ``latency_over_floor``; ``traced own time per hop`` the same of the traced runs.
+  The critical path of model-ingest is 11 hops (the start, then a task and its result for cache-lookup,
+  render, the fork's branches in parallel, publish and the finaliser; the join is released by its last
+  branch's transition);
 
 and on stderr the timeline of the median run: every hop and step, in order, from the start's publish.
 """
@@ -263,11 +269,13 @@ async def traced_runs(stack: BenchStack, count: int, timeout_s: float) -> list[s
         await watcher.close()
 
 
-def report(traces: Traces, runs: list[str], measured: Floors, idle_ms: float) -> None:
+def report(traces: Traces, runs: list[str], measured: Floors, idle_ms: float, plain: list[float]) -> None:
     bare = p50(measured.hops)
     spans = {run: run_latency(traces, run) for run in runs}
     latencies = {run: (end - start) * MS for run, found in spans.items() if found for start, end in [found]}
-    emit("latency p50", p50(list(latencies.values())), "ms", runs=len(latencies))
+    if plain:
+        emit("latency p50", p50(plain), "ms", runs=len(plain), traced=False, back_to_back=True)
+    emit("traced latency p50", p50(list(latencies.values())), "ms", runs=len(latencies), traced=True)
     emit(
         "bare hop p50", bare, "ms", pings=len(measured.hops), confirm_p50_ms=round(p50(measured.confirms), 3)
     )
@@ -295,17 +303,22 @@ def report(traces: Traces, runs: list[str], measured: Floors, idle_ms: float) ->
             for run in latencies
         ]
     )
-    latency = p50(list(latencies.values()))
-    own = (latency - CRITICAL_HOPS * bare - handler_per_run) / CRITICAL_HOPS
-    emit(
-        "own time per hop",
-        own,
-        "ms",
-        critical_hops=CRITICAL_HOPS,
-        floor_ms=round(CRITICAL_HOPS * bare, 2),
-        handlers_ms=round(handler_per_run, 2),
-        latency_over_floor=round(latency / (CRITICAL_HOPS * bare), 2),
-    )
+    floor = CRITICAL_HOPS * bare
+    for figure, latency in (
+        ("own time per hop", p50(plain) if plain else None),
+        ("traced own time per hop", p50(list(latencies.values()))),
+    ):
+        if latency is None:
+            continue
+        emit(
+            figure,
+            (latency - floor - handler_per_run) / CRITICAL_HOPS,
+            "ms",
+            critical_hops=CRITICAL_HOPS,
+            floor_ms=round(floor, 2),
+            handlers_ms=round(handler_per_run, 2),
+            latency_over_floor=round(latency / floor, 2),
+        )
     median_run = sorted(latencies, key=latencies.__getitem__)[len(latencies) // 2]
     found = spans[median_run]
     assert found is not None
@@ -316,6 +329,12 @@ def report(traces: Traces, runs: list[str], measured: Floors, idle_ms: float) ->
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--plain-runs",
+        type=int,
+        default=200,
+        help="untraced model-ingest runs, back to back, for the latency figures (0: skip)",
+    )
     p.add_argument("--runs", type=int, default=20, help="traced model-ingest runs, one after another")
     p.add_argument("--pings", type=int, default=200, help="bare hops measured")
     p.add_argument(
@@ -329,6 +348,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    plain = untraced_latencies(args) if args.plain_runs else []
     folder = Path(tempfile.mkdtemp(prefix="saga-trace-"))
     stack = BenchStack(args.shard_count)
     stack.env["SAGA_TRACE_DIR"] = str(folder)
@@ -344,9 +364,42 @@ def main(argv: list[str] | None = None) -> int:
         measured = asyncio.run(floors(stack, args.pings, args.idle_ms))
     finally:
         stack.teardown(keep=args.keep)
-    report(read_traces(folder), runs, measured, args.idle_ms)
+    report(read_traces(folder), runs, measured, args.idle_ms, plain)
     print(f"traces in {folder}", file=sys.stderr)
     return 0
+
+
+def untraced_latencies(args: argparse.Namespace) -> list[float]:
+    """``--plain-runs`` model-ingest runs one after another with tracing off, each timed as
+    ``bench/run.py`` times its single runs: from the client's publish of the start until a 1 ms poll of
+    the run's record sees it completed (the poll makes it up to 1 ms late, never early)."""
+    stack = BenchStack(args.shard_count)
+    stack.setup()
+    try:
+        stack.start(orchestrators=1, workers=1, concurrency=16)
+        stack.wait_consuming()
+        return asyncio.run(plain_runs(stack, args.plain_runs, args.timeout))
+    finally:
+        stack.teardown(keep=False)
+
+
+async def plain_runs(stack: BenchStack, count: int, timeout_s: float) -> list[float]:
+    watcher = Watcher(stack.settings.redis_url, stack.prefix)
+    try:
+        async with Client(stack.settings) as client:
+            warm = await client.start("model-ingest", {"modelId": "warm-0"})
+            await watcher.wait_one(warm, 0.001, timeout_s)
+            latencies = []
+            for i in range(count):
+                started = time.perf_counter()
+                run_id = await client.start("model-ingest", {"modelId": f"p{i}"})
+                state, seen = await watcher.wait_one(run_id, 0.001, timeout_s)
+                if state != "completed":
+                    raise RuntimeError(f"run {run_id} ended {state}; see {stack.logs}")
+                latencies.append((seen - started) * 1000)
+            return latencies
+    finally:
+        await watcher.close()
 
 
 if __name__ == "__main__":
