@@ -362,7 +362,10 @@ class ShardService:
             first = inbox.get_nowait()
         else:
             try:
-                first = await asyncio.wait_for(inbox.get(), timeout=timeout)
+                # a timer on this task, not the task of its own that wait_for makes: a quiet shard's every
+                # delivery went through one more task and one more loop turn before its batch began
+                async with asyncio.timeout(timeout):
+                    first = await inbox.get()
             except TimeoutError:
                 return [], None
         batch: list[Delivered] = []
