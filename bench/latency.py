@@ -6,7 +6,9 @@ First the latency itself, untraced: one orchestrator and one worker (no-op handl
 and ``--plain-runs`` model-ingest runs back to back (after one warm-up run), each timed as ``bench/run.py``
 times its single runs (the client's publish of the start until a 1 ms poll sees the run completed).
 Tracing writes a line for every step of every message and slows each hop it measures, so the figures
-the targets are judged by come from runs it is off for. Then the breakdown: a second stack with tracing
+the targets are judged by come from runs it is off for. With saga's processes stopped, as many runs of
+the protocol's skeleton (``bench/skeleton.py``: the same hops and commits, none of saga's own work) on
+the same vhost, timed the same way. Then the breakdown: a second stack with tracing
 on (``SAGA_TRACE_DIR``, ``orchestrator/trace.py``), the client in this process tracing too, and ``--runs``
 model-ingest runs one after another, each after 50 ms of idle time. Then, on the same broker and vhost,
 the bare hop: a persistent message published with a confirm to a quorum queue and delivered to a consumer
@@ -29,7 +31,10 @@ idle time; and a Redis round trip (a PING through redis-py) both ways. It prints
   ``mark_sent``; worker ``inbox``, ``decode``, ``handler``, ``publish`` (the result, to its confirm),
   ``ack``; the client's ``publish``;
 - ``own time per hop``: (latency - critical-path hops x bare hop - handler time) / hops, the time that is
-  saga's own, with its ``latency_over_floor``; ``traced own time per hop`` the same of the traced runs.
+  saga's own, with its ``latency_over_floor``; ``traced own time per hop`` the same of the traced runs;
+  ``skeleton latency p50`` and ``skeleton own time per hop``, the same of the skeleton's runs (what the
+  protocol costs in Python on this machine before any of saga's work), and ``own time per hop beyond the
+  skeleton``: (latency - skeleton latency) / hops.
   The critical path of model-ingest is 11 hops (the start, then a task and its result for cache-lookup,
   render, the fork's branches in parallel, publish and the finaliser; the join is released by its last
   branch's transition);
@@ -56,6 +61,7 @@ if str(ROOT) not in sys.path:
 
 import aio_pika  # noqa: E402
 
+from bench import skeleton  # noqa: E402
 from bench.run import Watcher, emit  # noqa: E402
 from bench.stack import BenchStack  # noqa: E402
 from orchestrator.bus.connect import connect_once  # noqa: E402
@@ -269,12 +275,22 @@ async def traced_runs(stack: BenchStack, count: int, timeout_s: float) -> list[s
         await watcher.close()
 
 
-def report(traces: Traces, runs: list[str], measured: Floors, idle_ms: float, plain: list[float]) -> None:
+def report(
+    traces: Traces,
+    runs: list[str],
+    measured: Floors,
+    idle_ms: float,
+    untraced: Untraced,
+) -> None:
     bare = p50(measured.hops)
     spans = {run: run_latency(traces, run) for run in runs}
     latencies = {run: (end - start) * MS for run, found in spans.items() if found for start, end in [found]}
+    plain, bare_protocol = untraced.latencies, untraced.skeleton
     if plain:
         emit("latency p50", p50(plain), "ms", runs=len(plain), traced=False, back_to_back=True)
+        emit("bare hop around the latency runs p50", p50(untraced.hops), "ms", pings=len(untraced.hops))
+    if bare_protocol:
+        emit("skeleton latency p50", p50(bare_protocol), "ms", runs=len(bare_protocol), back_to_back=True)
     emit("traced latency p50", p50(list(latencies.values())), "ms", runs=len(latencies), traced=True)
     emit(
         "bare hop p50", bare, "ms", pings=len(measured.hops), confirm_p50_ms=round(p50(measured.confirms), 3)
@@ -303,21 +319,32 @@ def report(traces: Traces, runs: list[str], measured: Floors, idle_ms: float, pl
             for run in latencies
         ]
     )
-    floor = CRITICAL_HOPS * bare
-    for figure, latency in (
-        ("own time per hop", p50(plain) if plain else None),
-        ("traced own time per hop", p50(list(latencies.values()))),
+    # Each latency against the bare hop measured closest to it: the untraced runs' and the skeleton's
+    # against the hops around the untraced runs, the traced runs' against those after them. (The
+    # skeleton runs no handlers: nothing of its time is theirs.)
+    around = CRITICAL_HOPS * p50(untraced.hops) if untraced.hops else 0.0
+    for figure, latency, floor, handlers in (
+        ("own time per hop", p50(plain) if plain else None, around, handler_per_run),
+        ("traced own time per hop", p50(list(latencies.values())), CRITICAL_HOPS * bare, handler_per_run),
+        ("skeleton own time per hop", p50(bare_protocol) if bare_protocol else None, around, 0.0),
     ):
         if latency is None:
             continue
         emit(
             figure,
-            (latency - floor - handler_per_run) / CRITICAL_HOPS,
+            (latency - floor - handlers) / CRITICAL_HOPS,
             "ms",
             critical_hops=CRITICAL_HOPS,
             floor_ms=round(floor, 2),
-            handlers_ms=round(handler_per_run, 2),
+            handlers_ms=round(handlers, 2),
             latency_over_floor=round(latency / floor, 2),
+        )
+    if plain and bare_protocol:
+        emit(
+            "own time per hop beyond the skeleton",
+            (p50(plain) - p50(bare_protocol)) / CRITICAL_HOPS,
+            "ms",
+            critical_hops=CRITICAL_HOPS,
         )
     median_run = sorted(latencies, key=latencies.__getitem__)[len(latencies) // 2]
     found = spans[median_run]
@@ -348,7 +375,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    plain = untraced_latencies(args) if args.plain_runs else []
+    untraced = untraced_latencies(args) if args.plain_runs else Untraced([], [], [])
     folder = Path(tempfile.mkdtemp(prefix="saga-trace-"))
     stack = BenchStack(args.shard_count)
     stack.env["SAGA_TRACE_DIR"] = str(folder)
@@ -364,21 +391,41 @@ def main(argv: list[str] | None = None) -> int:
         measured = asyncio.run(floors(stack, args.pings, args.idle_ms))
     finally:
         stack.teardown(keep=args.keep)
-    report(read_traces(folder), runs, measured, args.idle_ms, plain)
+    report(read_traces(folder), runs, measured, args.idle_ms, untraced)
     print(f"traces in {folder}", file=sys.stderr)
     return 0
 
 
-def untraced_latencies(args: argparse.Namespace) -> list[float]:
+@dataclass
+class Untraced:
+    """The runs the latency figures come from, with the bare hops measured around them."""
+
+    latencies: list[float]
+    skeleton: list[float]
+    hops: list[float]
+
+
+def untraced_latencies(args: argparse.Namespace) -> Untraced:
     """``--plain-runs`` model-ingest runs one after another with tracing off, each timed as
     ``bench/run.py`` times its single runs: from the client's publish of the start until a 1 ms poll of
-    the run's record sees it completed (the poll makes it up to 1 ms late, never early)."""
+    the run's record sees it completed (the poll makes it up to 1 ms late, never early); half the bare
+    hops right before them and half right after, since this machine's speed drifts within minutes. Then,
+    with saga's processes stopped, as many runs of the protocol's skeleton (``bench/skeleton.py``) on the
+    same vhost, timed the same way."""
     stack = BenchStack(args.shard_count)
     stack.setup()
     try:
         stack.start(orchestrators=1, workers=1, concurrency=16)
         stack.wait_consuming()
-        return asyncio.run(plain_runs(stack, args.plain_runs, args.timeout))
+        before, _ = asyncio.run(bare_hop(stack.settings.amqp_url, args.pings // 2))
+        plain = asyncio.run(plain_runs(stack, args.plain_runs, args.timeout))
+        after, _ = asyncio.run(bare_hop(stack.settings.amqp_url, args.pings - args.pings // 2))
+        for name in list(stack.processes):
+            stack.stop(name)
+        urls = (stack.settings.amqp_url, stack.settings.redis_url, f"{stack.prefix}:skeleton")
+        with skeleton.roles(*urls):
+            bare_protocol = asyncio.run(skeleton.latencies(*urls, args.plain_runs, args.timeout))
+        return Untraced(plain, bare_protocol, before + after)
     finally:
         stack.teardown(keep=False)
 
