@@ -3,9 +3,11 @@
 What is left of a run when every check, decision and record but the commits themselves is taken away:
 the same 11 hops on the critical path (the start, then a task and its result for cache-lookup, render,
 the fork's two branches side by side, publish and the finaliser), each a persistent message published
-with a confirm to a quorum queue, and before every dispatch one Redis commit (an EVAL writing the run's
-hash, a history entry and an outbox entry, as a transition does). An orchestrator process commits each
-result, then publishes what follows and acks; a worker process publishes each task's result, then acks.
+with a confirm to a quorum queue, and one Redis commit for every message the orchestrator takes (an
+EVAL writing the run's hash, a history entry and an outbox entry, as a transition does) before it
+dispatches what follows: 6 on the critical path (the start and five results), the last of which ends
+the run. An orchestrator process commits each message, then publishes what follows and acks; a worker
+process publishes each task's result, then acks.
 No envelope is signed or verified, no plan is read, no engine runs, nothing is validated.
 
 It is the lower bound a Python implementation of this protocol reaches on this machine with these
