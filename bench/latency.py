@@ -3,14 +3,15 @@
     python bench/latency.py [--plain-runs 200] [--runs 20] [--pings 200] [--idle-ms 3] [--keep]
 
 First the latency itself, untraced: one orchestrator and one worker (no-op handlers, as ``bench/run.py``)
-and ``--plain-runs`` model-ingest runs back to back (after one warm-up run), each timed as ``bench/run.py``
+and ``--plain-runs`` model-ingest runs (after one warm-up run), each timed as ``bench/run.py``
 times its single runs (the client's publish of the start until a 1 ms poll sees the run completed).
 Tracing writes a line for every step of every message and slows each hop it measures, so the figures
-the targets are judged by come from runs it is off for. With saga's processes stopped, as many runs of
-the protocol's skeleton (``bench/skeleton.py``: the same hops and commits, none of saga's own work) on
-the same vhost, timed the same way. Then the breakdown: a second stack with tracing
-on (``SAGA_TRACE_DIR``, ``orchestrator/trace.py``), the client in this process tracing too, and ``--runs``
-model-ingest runs one after another, each after 50 ms of idle time. Then, on the same broker and vhost,
+the targets are judged by come from runs it is off for. In turn with them, as many runs of the protocol's
+skeleton (``bench/skeleton.py``: the same hops and commits, none of saga's own work), its two processes
+beside saga's on the same vhost, timed the same way; half the bare hops right before these runs, half
+right after. Then the breakdown: a second stack with tracing on (``SAGA_TRACE_DIR``,
+``orchestrator/trace.py``), the client in this process tracing too, and ``--runs`` model-ingest runs one
+after another, each after 50 ms of idle time. Then, on the same broker and vhost,
 the bare hop: a persistent message published with a confirm to a quorum queue and delivered to a consumer
 on another connection, ``--pings`` times one after another, and again each after ``--idle-ms`` (3) of
 idle time; and a Redis round trip (a PING through redis-py) both ways. It prints JSON lines, as
@@ -288,7 +289,8 @@ def report(
     plain, bare_protocol = untraced.latencies, untraced.skeleton
     if plain:
         emit("latency p50", p50(plain), "ms", runs=len(plain), traced=False, back_to_back=True)
-        emit("bare hop around the latency runs p50", p50(untraced.hops), "ms", pings=len(untraced.hops))
+        if untraced.hops:
+            emit("bare hop around the latency runs p50", p50(untraced.hops), "ms", pings=len(untraced.hops))
     if bare_protocol:
         emit("skeleton latency p50", p50(bare_protocol), "ms", runs=len(bare_protocol), back_to_back=True)
     emit("traced latency p50", p50(list(latencies.values())), "ms", runs=len(latencies), traced=True)
@@ -322,7 +324,7 @@ def report(
     # Each latency against the bare hop measured closest to it: the untraced runs' and the skeleton's
     # against the hops around the untraced runs, the traced runs' against those after them. (The
     # skeleton runs no handlers: nothing of its time is theirs.)
-    around = CRITICAL_HOPS * p50(untraced.hops) if untraced.hops else 0.0
+    around = CRITICAL_HOPS * p50(untraced.hops) if untraced.hops else float("nan")
     for figure, latency, floor, handlers in (
         ("own time per hop", p50(plain) if plain else None, around, handler_per_run),
         ("traced own time per hop", p50(list(latencies.values())), CRITICAL_HOPS * bare, handler_per_run),
@@ -379,8 +381,8 @@ def main(argv: list[str] | None = None) -> int:
     folder = Path(tempfile.mkdtemp(prefix="saga-trace-"))
     stack = BenchStack(args.shard_count)
     stack.env["SAGA_TRACE_DIR"] = str(folder)
-    stack.setup()
     try:
+        stack.setup()
         stack.start(orchestrators=1, workers=1, concurrency=16)
         stack.wait_consuming()
         TRACE.configure(str(folder), "client")
@@ -406,46 +408,59 @@ class Untraced:
 
 
 def untraced_latencies(args: argparse.Namespace) -> Untraced:
-    """``--plain-runs`` model-ingest runs one after another with tracing off, each timed as
-    ``bench/run.py`` times its single runs: from the client's publish of the start until a 1 ms poll of
-    the run's record sees it completed (the poll makes it up to 1 ms late, never early); half the bare
-    hops right before them and half right after, since this machine's speed drifts within minutes. Then,
-    with saga's processes stopped, as many runs of the protocol's skeleton (``bench/skeleton.py``) on the
-    same vhost, timed the same way."""
+    """``--plain-runs`` model-ingest runs with tracing off and as many runs of the protocol's skeleton
+    (``bench/skeleton.py``, its two processes beside saga's on the same vhost), in turn (saga then the
+    skeleton, then the skeleton then saga, ...), each timed as ``bench/run.py`` times its single runs:
+    from the start's publish until a 1 ms poll sees the run completed (up to 1 ms late, never early).
+    Half the bare hops right before them, half right after: this machine's speed drifts within
+    minutes, and runs a few milliseconds apart see the same machine."""
     stack = BenchStack(args.shard_count)
-    stack.setup()
     try:
+        stack.setup()
         stack.start(orchestrators=1, workers=1, concurrency=16)
         stack.wait_consuming()
-        before, _ = asyncio.run(bare_hop(stack.settings.amqp_url, args.pings // 2))
-        plain = asyncio.run(plain_runs(stack, args.plain_runs, args.timeout))
-        after, _ = asyncio.run(bare_hop(stack.settings.amqp_url, args.pings - args.pings // 2))
-        for name in list(stack.processes):
-            stack.stop(name)
         urls = (stack.settings.amqp_url, stack.settings.redis_url, f"{stack.prefix}:skeleton")
         with skeleton.roles(*urls):
-            bare_protocol = asyncio.run(skeleton.latencies(*urls, args.plain_runs, args.timeout))
+            before, _ = asyncio.run(bare_hop(stack.settings.amqp_url, args.pings // 2))
+            plain, bare_protocol = asyncio.run(runs_in_turn(stack, urls, args.plain_runs, args.timeout))
+            after, _ = asyncio.run(bare_hop(stack.settings.amqp_url, args.pings - args.pings // 2))
         return Untraced(plain, bare_protocol, before + after)
     finally:
         stack.teardown(keep=False)
 
 
-async def plain_runs(stack: BenchStack, count: int, timeout_s: float) -> list[float]:
+async def runs_in_turn(
+    stack: BenchStack, urls: tuple[str, str, str], count: int, timeout_s: float
+) -> tuple[list[float], list[float]]:
+    """``count`` saga runs and ``count`` skeleton runs, in turn, after a warm-up run of each."""
     watcher = Watcher(stack.settings.redis_url, stack.prefix)
+    driver = skeleton.Driver(*urls, timeout_s=timeout_s)
     try:
+        await driver.open()
         async with Client(stack.settings) as client:
-            warm = await client.start("model-ingest", {"modelId": "warm-0"})
-            await watcher.wait_one(warm, 0.001, timeout_s)
-            latencies = []
-            for i in range(count):
+
+            async def saga_run(name: str) -> float:
                 started = time.perf_counter()
-                run_id = await client.start("model-ingest", {"modelId": f"p{i}"})
+                run_id = await client.start("model-ingest", {"modelId": name})
                 state, seen = await watcher.wait_one(run_id, 0.001, timeout_s)
                 if state != "completed":
                     raise RuntimeError(f"run {run_id} ended {state}; see {stack.logs}")
-                latencies.append((seen - started) * 1000)
-            return latencies
+                return (seen - started) * 1000
+
+            await saga_run("warm-0")
+            await driver.one()
+            saga: list[float] = []
+            bare_protocol: list[float] = []
+            for i in range(count):
+                if i % 2 == 0:
+                    saga.append(await saga_run(f"p{i}"))
+                    bare_protocol.append(await driver.one())
+                else:
+                    bare_protocol.append(await driver.one())
+                    saga.append(await saga_run(f"p{i}"))
+            return saga, bare_protocol
     finally:
+        await driver.close()
         await watcher.close()
 
 

@@ -13,7 +13,7 @@ No envelope is signed or verified, no plan is read, no engine runs, nothing is v
 It is the lower bound a Python implementation of this protocol reaches on this machine with these
 clients (aiormq, redis-py with hiredis): the floor (hops x bare hop), plus the commits' round trips, plus
 what waking two processes, an event loop and a client library up costs at every hop. ``bench/latency.py``
-runs it in the same sitting as saga's runs and the bare hop.
+alternates its runs with saga's (``Driver``), between bare hops measured right before and after.
 
     python bench/skeleton.py orchestrator|worker AMQP_URL REDIS_URL PREFIX    (a role, until killed)
 """
@@ -21,6 +21,7 @@ runs it in the same sitting as saga's runs and the bare hop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import subprocess
 import sys
@@ -48,10 +49,13 @@ NEXT = {
     "publish": ["finaliser:0"],
     "finaliser:0": [],
 }
+# the run's hash and history entry; the outbox entry of what follows (one: the fork's first branch); the
+# run's end, where the driver's poll finds it (in the commit itself, as a saga run's status is)
 COMMIT = """
 redis.call('HSET', KEYS[1], 'state', ARGV[1], 'rev', ARGV[2])
 redis.call('XADD', KEYS[2], '*', 'kind', ARGV[3], 'rev', ARGV[2])
 if ARGV[4] ~= '' then redis.call('HSET', KEYS[3], ARGV[5], ARGV[4]) end
+if ARGV[6] == '1' then redis.call('HSET', KEYS[4], ARGV[5], 'completed') end
 return 1
 """
 TASK_PADDING = "x" * 600  # about a model-ingest task's size
@@ -88,11 +92,11 @@ async def orchestrator(amqp_url: str, redis_url: str, prefix: str) -> None:
         ]
         finished = step == "finaliser:0"
         record = json.dumps({"status": "completed" if finished else "running", "done": state["done"]})
-        keys = [f"{prefix}:run:{run}", f"{prefix}:history:{run}", f"{prefix}:outbox"]
-        await commit(keys=keys, args=[record, state["rev"], stage, tasks[0] if tasks else "", run])
+        keys = [f"{prefix}:run:{run}", f"{prefix}:history:{run}", f"{prefix}:outbox", f"{prefix}:finished"]
+        first = tasks[0] if tasks else ""
+        await commit(keys=keys, args=[record, state["rev"], stage, first, run, "1" if finished else "0"])
         if finished:
             runs.pop(run)
-            await redis.hset(f"{prefix}:finished", run, "completed")
         sends = [
             channel.basic_publish(t.encode(), routing_key=TASK_QUEUE, properties=PERSISTENT) for t in tasks
         ]
@@ -132,37 +136,47 @@ def roles(amqp_url: str, redis_url: str, prefix: str) -> Iterator[None]:
             process.wait()
 
 
-async def latencies(
-    amqp_url: str, redis_url: str, prefix: str, runs: int, timeout_s: float = 30.0
-) -> list[float]:
-    """``runs`` skeleton runs back to back (after five warm-up runs), each timed as ``bench/run.py`` times
-    saga's: from the start's publish until a 1 ms poll sees the run finished. Deletes its queues and
-    keys after."""
-    connection, channel = await _channel(amqp_url)
-    redis = aioredis.Redis.from_url(redis_url, decode_responses=True)
-    try:
-        times = []
-        for i in range(runs + 5):
-            run = uuid.uuid4().hex
+class Driver:
+    """Starts skeleton runs and times them, as ``bench/run.py`` times saga's single runs: from the start's
+    publish until a 1 ms poll sees the run finished."""
+
+    def __init__(self, amqp_url: str, redis_url: str, prefix: str, timeout_s: float = 30.0) -> None:
+        self.amqp_url, self.prefix, self.timeout_s = amqp_url, prefix, timeout_s
+        self.redis = aioredis.Redis.from_url(redis_url, decode_responses=True)
+        self._amqp: tuple[aiormq.abc.AbstractConnection, aiormq.abc.AbstractChannel] | None = None
+
+    async def open(self) -> None:
+        async with asyncio.timeout(self.timeout_s):
+            self._amqp = await _channel(self.amqp_url)
+
+    async def one(self) -> float:
+        """One run's latency in ms; raises TimeoutError for a run not finished within the timeout."""
+        assert self._amqp is not None, "open() first"
+        channel = self._amqp[1]
+        run = uuid.uuid4().hex
+        async with asyncio.timeout(self.timeout_s):
             started = time.perf_counter()
-            start = json.dumps({"run": run, "stage": "start", "context": {"modelId": f"s{i}"}})
+            start = json.dumps({"run": run, "stage": "start", "context": {"modelId": run}})
             await channel.basic_publish(start.encode(), routing_key=SHARD_QUEUE, properties=PERSISTENT)
-            deadline = time.monotonic() + timeout_s
-            while await redis.hget(f"{prefix}:finished", run) is None:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"skeleton run {run} did not finish within {timeout_s:g} s")
+            while await self.redis.hget(f"{self.prefix}:finished", run) is None:
                 await asyncio.sleep(0.001)
-            if i >= 5:
-                times.append((time.perf_counter() - started) * 1000)
-        return times
-    finally:
-        for queue in (SHARD_QUEUE, TASK_QUEUE):
-            await channel.queue_delete(queue)
-        keys = [key async for key in redis.scan_iter(match=f"{prefix}:*", count=1000)]
-        if keys:
-            await redis.delete(*keys)
-        await redis.aclose()
-        await connection.close()
+            return (time.perf_counter() - started) * 1000
+
+    async def close(self) -> None:
+        """Delete the skeleton's queues and keys (what fails to be deleted goes with the vhost and the
+        prefix when the stack is torn down)."""
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(self.timeout_s):
+                if self._amqp is not None:
+                    for queue in (SHARD_QUEUE, TASK_QUEUE):
+                        await self._amqp[1].queue_delete(queue)
+                keys = [key async for key in self.redis.scan_iter(match=f"{self.prefix}:*", count=1000)]
+                if keys:
+                    await self.redis.delete(*keys)
+        with contextlib.suppress(Exception):
+            if self._amqp is not None:
+                await self._amqp[0].close()
+        await self.redis.aclose()
 
 
 def main(argv: list[str]) -> None:
