@@ -25,6 +25,8 @@ import aiormq.abc
 from aio_pika.abc import AbstractChannel
 from aiormq.exceptions import ChannelInvalidStateError
 
+from orchestrator.bus.cancellation import cancelled_from_outside
+
 log = logging.getLogger(__name__)
 
 
@@ -157,11 +159,9 @@ class Subscription:
                 self._consumer = consumer
                 return
             except asyncio.CancelledError as exc:
-                task = asyncio.current_task()
-                if task is None or task.cancelling():
+                if cancelled_from_outside():
                     raise  # cancel() stopped it
-                # aiormq cancels what waits on a channel that closes: the channel dropped again
-                self._failed(exc)
+                self._failed(exc)  # the channel dropped again
             except Exception as exc:
                 self._failed(exc)
             await asyncio.sleep(self.RETRY_S)

@@ -22,6 +22,7 @@ from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, stop
 
 from orchestrator import metrics
 from orchestrator.bus import batch
+from orchestrator.bus.cancellation import cancelled_from_outside
 from orchestrator.bus.envelope import Envelope, Signer, encode, signed_message
 from orchestrator.bus.names import SERIAL_TASKS, Names
 from orchestrator.bus.topology import TaskQueueLayout, declare_task_queue
@@ -486,8 +487,7 @@ async def _failure_of(sending: Awaitable[None]) -> BaseException | None:
     try:
         await sending
     except asyncio.CancelledError as exc:
-        task = asyncio.current_task()
-        if task is not None and task.cancelling():
+        if cancelled_from_outside():
             raise
         return exc
     except Exception as exc:
