@@ -23,7 +23,6 @@ import asyncio
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 READY = "ready"
@@ -45,16 +44,13 @@ def serve() -> None:
         try:
             async with Client(stack.settings) as client:
                 for i in range(3):  # warm-up
-                    warm = await client.start("model-ingest", {"modelId": f"w{i}"})
-                    await watcher.wait_one(warm, 0.001, 30)
+                    await watcher.time_one(client, f"w{i}", 0.001, 30)
                 print(READY, flush=True)
                 i = 0
                 while await reader.readline():
                     i += 1
-                    started = time.perf_counter()
-                    run_id = await client.start("model-ingest", {"modelId": f"ab{i}"})
-                    state, seen = await watcher.wait_one(run_id, 0.001, 30)
-                    print(f"{(seen - started) * 1000:.3f} {state}", flush=True)
+                    run = await watcher.time_one(client, f"ab{i}", 0.001, 30)
+                    print(f"{run.ms:.3f} {run.state}", flush=True)
         finally:
             await watcher.close()
 

@@ -63,7 +63,7 @@ if str(ROOT) not in sys.path:
 import aio_pika  # noqa: E402
 
 from bench import skeleton  # noqa: E402
-from bench.run import Watcher, emit  # noqa: E402
+from bench.run import SingleRun, Watcher, emit  # noqa: E402
 from bench.stack import BenchStack  # noqa: E402
 from orchestrator.bus.connect import connect_once  # noqa: E402
 from orchestrator.client import Client  # noqa: E402
@@ -261,15 +261,12 @@ async def traced_runs(stack: BenchStack, count: int, timeout_s: float) -> list[s
     watcher = Watcher(stack.settings.redis_url, stack.prefix)
     try:
         async with Client(stack.settings) as client:
-            warm = await client.start("model-ingest", {"modelId": "warm-0"})
-            await watcher.wait_one(warm, 0.001, timeout_s)
+            await watcher.time_one(client, "warm-0", 0.001, timeout_s)
             runs = []
             for i in range(count):
-                run_id = await client.start("model-ingest", {"modelId": f"t{i}"})
-                state, _ = await watcher.wait_one(run_id, 0.001, timeout_s)
-                if state != "completed":
-                    raise RuntimeError(f"run {run_id} ended {state}; see {stack.logs}")
-                runs.append(run_id)
+                runs.append(
+                    completed(await watcher.time_one(client, f"t{i}", 0.001, timeout_s), stack).run_id
+                )
                 await asyncio.sleep(0.05)  # the next run starts on an idle system
             return runs
     finally:
@@ -429,6 +426,12 @@ def untraced_latencies(args: argparse.Namespace) -> Untraced:
         stack.teardown(keep=False)
 
 
+def completed(run: SingleRun, stack: BenchStack) -> SingleRun:
+    if run.state != "completed":
+        raise RuntimeError(f"run {run.run_id} ended {run.state}; see {stack.logs}")
+    return run
+
+
 async def runs_in_turn(
     stack: BenchStack, urls: tuple[str, str, str], count: int, timeout_s: float
 ) -> tuple[list[float], list[float]]:
@@ -440,12 +443,7 @@ async def runs_in_turn(
         async with Client(stack.settings) as client:
 
             async def saga_run(name: str) -> float:
-                started = time.perf_counter()
-                run_id = await client.start("model-ingest", {"modelId": name})
-                state, seen = await watcher.wait_one(run_id, 0.001, timeout_s)
-                if state != "completed":
-                    raise RuntimeError(f"run {run_id} ended {state}; see {stack.logs}")
-                return (seen - started) * 1000
+                return completed(await watcher.time_one(client, name, 0.001, timeout_s), stack).ms
 
             await saga_run("warm-0")
             await driver.one()

@@ -31,6 +31,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -68,6 +69,15 @@ def emit(figure: str, value: float, unit: str, **extra: Any) -> None:
         json.dumps({"peer": PEER, "figure": figure, "value": round(value, 2), "unit": unit, **extra}),
         flush=True,
     )
+
+
+@dataclass(frozen=True)
+class SingleRun:
+    """A model-ingest run started on its own: its id, how it ended, and its latency in ms."""
+
+    run_id: str
+    state: str
+    ms: float
 
 
 class Unfinished(Exception):
@@ -147,6 +157,14 @@ class Watcher:
                 return str(status), time.perf_counter()
             await asyncio.sleep(poll_s)
         raise Unfinished(f"run {run_id} did not finish within {timeout_s:g} s", [run_id])
+
+    async def time_one(self, client: Client, model_id: str, poll_s: float, timeout_s: float) -> SingleRun:
+        """One model-ingest run, timed from the start's publish until a poll sees it finished (up to one
+        poll late, never early): how every bench times a single run."""
+        started = time.perf_counter()
+        run_id = await client.start("model-ingest", {"modelId": model_id})
+        state, seen = await self.wait_one(run_id, poll_s, timeout_s)
+        return SingleRun(run_id, state, (seen - started) * 1000)
 
     async def wait_all(
         self, run_ids: list[str], poll_s: float, timeout_s: float
@@ -231,25 +249,18 @@ class Watcher:
 
 async def bench_latency(client: Client, watcher: Watcher, meter: Meter, args: argparse.Namespace) -> None:
     poll_s = args.latency_poll_ms / 1000
-    warm = await client.start("model-ingest", {"modelId": "warm-0"})
-    await watcher.wait_one(warm, poll_s, args.timeout)
+    await watcher.time_one(client, "warm-0", poll_s, args.timeout)
     meter.lap()
-    lat, states = [], []
-    for i in range(args.latency):
-        t = time.perf_counter()
-        run_id = await client.start("model-ingest", {"modelId": f"s{i}"})
-        state, seen = await watcher.wait_one(run_id, poll_s, args.timeout)
-        lat.append(seen - t)
-        states.append(state)
-    lat.sort()
+    runs = [await watcher.time_one(client, f"s{i}", poll_s, args.timeout) for i in range(args.latency)]
+    lat = sorted(run.ms for run in runs)
     extra = {
         "runs": args.latency,
-        "failed": sum(s != "completed" for s in states),
+        "failed": sum(run.state != "completed" for run in runs),
         "poll_ms": args.latency_poll_ms,
         "cpu_s": meter.lap(),
     }
-    emit("model-ingest latency p50", lat[len(lat) // 2] * 1e3, "ms", **extra)
-    emit("model-ingest latency max", lat[-1] * 1e3, "ms", **extra)
+    emit("model-ingest latency p50", lat[len(lat) // 2], "ms", **extra)
+    emit("model-ingest latency max", lat[-1], "ms", **extra)
 
 
 async def bench_throughput(
