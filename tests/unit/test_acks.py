@@ -6,6 +6,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
+from orchestrator.bus.inbound import Delivered
 from workers.acks import AckCoalescer
 
 
@@ -21,19 +22,9 @@ class FakeChannel:
         self.acks.append((delivery_tag, multiple))
 
 
-@dataclass
-class FakeMessage:
-    delivery_tag: int
-    channel: FakeChannel
-
-    @property
-    def settleable(self) -> bool:
-        return not self.channel.is_closed
-
-    def open_channel(self) -> FakeChannel:
-        if not self.settleable:
-            raise RuntimeError("its channel closed")
-        return self.channel
+def delivery(tag: int, channel: FakeChannel) -> Delivered:
+    """A real delivery (its own settling rules) on a stand-in channel."""
+    return Delivered(b"", None, f"task-{tag}", tag, channel)  # type: ignore[arg-type]  # acks and state only
 
 
 def run(steps: Any) -> None:
@@ -43,20 +34,20 @@ def run(steps: Any) -> None:
 def test_only_the_settled_prefix_is_acked_with_one_multiple_ack() -> None:
     channel = FakeChannel()
     log = channel.acks
-    messages = [FakeMessage(tag, channel) for tag in (1, 2, 3, 4)]
+    messages = [delivery(tag, channel) for tag in (1, 2, 3, 4)]
 
     async def steps() -> None:
         acks = AckCoalescer()
         for m in messages:
-            acks.delivered(m)  # type: ignore[arg-type]
-        acks.settled(messages[1])  # type: ignore[arg-type]
-        acks.settled(messages[2])  # type: ignore[arg-type]
+            acks.delivered(m)
+        acks.settled(messages[1])
+        acks.settled(messages[2])
         await asyncio.sleep(0.01)
         assert log == []  # 1 is still in flight: nothing may be acked
-        acks.settled(messages[0])  # type: ignore[arg-type]
+        acks.settled(messages[0])
         await asyncio.sleep(0.01)
         assert log == [(3, True)]  # one write settles 1, 2 and 3
-        acks.settled(messages[3])  # type: ignore[arg-type]
+        acks.settled(messages[3])
         await acks.flush()
 
     run(steps)
@@ -66,14 +57,14 @@ def test_only_the_settled_prefix_is_acked_with_one_multiple_ack() -> None:
 def test_a_nacked_delivery_counts_as_settled_but_is_not_acked_itself() -> None:
     channel = FakeChannel()
     log = channel.acks
-    messages = [FakeMessage(tag, channel) for tag in (1, 2)]
+    messages = [delivery(tag, channel) for tag in (1, 2)]
 
     async def steps() -> None:
         acks = AckCoalescer()
         for m in messages:
-            acks.delivered(m)  # type: ignore[arg-type]
-        acks.settled(messages[0], already_settled=True)  # type: ignore[arg-type]
-        acks.settled(messages[1])  # type: ignore[arg-type]
+            acks.delivered(m)
+        acks.settled(messages[0], already_settled=True)
+        acks.settled(messages[1])
         await acks.flush()
 
     run(steps)
@@ -81,15 +72,15 @@ def test_a_nacked_delivery_counts_as_settled_but_is_not_acked_itself() -> None:
 
 
 def test_a_new_channel_forgets_the_old_ones_tags() -> None:
-    stuck = FakeMessage(7, FakeChannel())
-    fresh = FakeMessage(1, FakeChannel())  # the connection dropped; the broker redelivers on a new channel
+    stuck = delivery(7, FakeChannel())
+    fresh = delivery(1, FakeChannel())  # the connection dropped; the broker redelivers on a new channel
 
     async def steps() -> None:
         acks = AckCoalescer()
-        acks.delivered(stuck)  # type: ignore[arg-type]
-        acks.delivered(fresh)  # type: ignore[arg-type]
-        acks.settled(stuck)  # type: ignore[arg-type]  # its task finished late: ignored
-        acks.settled(fresh)  # type: ignore[arg-type]
+        acks.delivered(stuck)
+        acks.delivered(fresh)
+        acks.settled(stuck)  # its task finished late: ignored
+        acks.settled(fresh)
         await acks.flush()
 
     run(steps)
@@ -102,17 +93,17 @@ def test_nothing_is_acked_on_a_channel_that_closed_before_a_new_one_delivered() 
     new one yet: tasks that finish now are not acked on it (a frame for a closed channel's number would
     close the connection, or settle another channel's deliveries); the broker redelivers them."""
     channel = FakeChannel()
-    messages = [FakeMessage(tag, channel) for tag in (1, 2, 3)]
+    messages = [delivery(tag, channel) for tag in (1, 2, 3)]
 
     async def steps() -> None:
         acks = AckCoalescer()
         for m in messages:
-            acks.delivered(m)  # type: ignore[arg-type]
-        acks.settled(messages[0])  # type: ignore[arg-type]
+            acks.delivered(m)
+        acks.settled(messages[0])
         channel.is_closed = True  # before the turn's flush
-        acks.settled(messages[1])  # type: ignore[arg-type]
+        acks.settled(messages[1])
         await acks.flush()
-        acks.settled(messages[2])  # type: ignore[arg-type]
+        acks.settled(messages[2])
         await acks.flush()
 
     run(steps)
