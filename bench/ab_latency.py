@@ -1,6 +1,6 @@
 """Two source trees' model-ingest latency, run by run in turn: is a change faster, on a noisy machine?
 
-    python bench/ab_latency.py A_DIR B_DIR [--runs 400]
+    python bench/ab_latency.py A_DIR B_DIR [--runs 400] [--python-a PY] [--python-b PY]
 
 This machine's speed drifts by a third within minutes, so two benches run one after the other compare
 the minutes more than the code. Here each tree gets a stack of its own (one orchestrator, one worker,
@@ -9,8 +9,9 @@ then B, then B then A, ...), each timed as ``bench/run.py`` times its single run
 milliseconds apart see the same machine. It prints each side's p25 / p50 / p75, the median of the paired
 differences (B - A) and the ratio of the medians.
 
-Each tree runs its own code: ``bench/ab_latency.py serve`` is started with this interpreter and the tree
-as its working directory, which goes first on its import path (and its stack's processes run from the
+Each tree runs its own code: ``bench/ab_latency.py serve`` is started with this interpreter (or the
+side's ``--python-a`` / ``--python-b``: the same tree twice compares two interpreters) and the tree as its
+working directory, which goes first on its import path (and its stack's processes run from the
 tree too). A change shows: a 0.3 ms sleep before each result a worker publishes measured +8.77 ms a run
 (five results on a run's critical path, each sleep costing far more than it asks: the event loop's
 timers wake at 1 ms resolution, and the worker then wakes from idle).
@@ -64,18 +65,18 @@ def serve() -> None:
         stack.teardown()
 
 
-def compare(a: Path, b: Path, runs: int) -> None:
+def compare(a: Path, b: Path, runs: int, pythons: tuple[str, str]) -> None:
     here = Path(__file__).resolve()
     sides = [
         subprocess.Popen(
-            [sys.executable, str(here), "serve"],
+            [python, str(here), "serve"],
             cwd=tree,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
             bufsize=1,
         )
-        for tree in (a, b)
+        for tree, python in zip((a, b), pythons, strict=True)
     ]
     try:
         for tree, side in zip((a, b), sides, strict=True):
@@ -116,8 +117,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("a", type=Path, help="tree A (the baseline)")
     p.add_argument("b", type=Path, help="tree B (the change)")
     p.add_argument("--runs", type=int, default=400, help="runs of each tree")
+    p.add_argument(
+        "--python-a", default=sys.executable, help="the interpreter of tree A's stack (default: this one)"
+    )
+    p.add_argument(
+        "--python-b",
+        default=sys.executable,
+        help="the interpreter of tree B's stack (another Python version, say; default: this one)",
+    )
     args = p.parse_args(argv)
-    compare(args.a.resolve(), args.b.resolve(), args.runs)
+    compare(args.a.resolve(), args.b.resolve(), args.runs, (args.python_a, args.python_b))
     return 0
 
 
