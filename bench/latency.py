@@ -53,6 +53,7 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -64,7 +65,7 @@ import aio_pika  # noqa: E402
 
 from bench import skeleton  # noqa: E402
 from bench.run import SingleRun, Watcher, emit  # noqa: E402
-from bench.stack import BenchStack  # noqa: E402
+from bench.stack import BenchStack, cpu_ns  # noqa: E402
 from orchestrator.bus.connect import connect_once  # noqa: E402
 from orchestrator.client import Client  # noqa: E402
 from orchestrator.store.connect import async_client  # noqa: E402
@@ -273,6 +274,21 @@ async def traced_runs(stack: BenchStack, count: int, timeout_s: float) -> list[s
         await watcher.close()
 
 
+def report_untraced(untraced: Untraced) -> None:
+    """The untraced runs' figures: saga's and the skeleton's latency, the bare hop around them, and the
+    CPU each process spent per run."""
+    plain, bare_protocol = untraced.latencies, untraced.skeleton
+    if plain:
+        emit("latency p50", p50(plain), "ms", runs=len(plain), traced=False, back_to_back=True)
+        if untraced.hops:
+            emit("bare hop around the latency runs p50", p50(untraced.hops), "ms", pings=len(untraced.hops))
+    if bare_protocol:
+        emit("skeleton latency p50", p50(bare_protocol), "ms", runs=len(bare_protocol), back_to_back=True)
+    for name, total in sorted(untraced.cpu_ms.items()):
+        side, role = name.split(" ")
+        emit("cpu per run", total / len(plain), "ms", side=side, process=role, runs=len(plain))
+
+
 def report(
     traces: Traces,
     runs: list[str],
@@ -284,12 +300,7 @@ def report(
     spans = {run: run_latency(traces, run) for run in runs}
     latencies = {run: (end - start) * MS for run, found in spans.items() if found for start, end in [found]}
     plain, bare_protocol = untraced.latencies, untraced.skeleton
-    if plain:
-        emit("latency p50", p50(plain), "ms", runs=len(plain), traced=False, back_to_back=True)
-        if untraced.hops:
-            emit("bare hop around the latency runs p50", p50(untraced.hops), "ms", pings=len(untraced.hops))
-    if bare_protocol:
-        emit("skeleton latency p50", p50(bare_protocol), "ms", runs=len(bare_protocol), back_to_back=True)
+    report_untraced(untraced)
     emit("traced latency p50", p50(list(latencies.values())), "ms", runs=len(latencies), traced=True)
     emit(
         "bare hop p50", bare, "ms", pings=len(measured.hops), confirm_p50_ms=round(p50(measured.confirms), 3)
@@ -397,11 +408,13 @@ def main(argv: list[str] | None = None) -> int:
 
 @dataclass
 class Untraced:
-    """The runs the latency figures come from, with the bare hops measured around them."""
+    """The runs the latency figures come from, with the bare hops measured around them, and the CPU
+    time each process spent on them (ms, summed over the runs, by role: saga's and the skeleton's)."""
 
     latencies: list[float]
     skeleton: list[float]
     hops: list[float]
+    cpu_ms: dict[str, float] = field(default_factory=dict)
 
 
 def untraced_latencies(args: argparse.Namespace) -> Untraced:
@@ -417,11 +430,20 @@ def untraced_latencies(args: argparse.Namespace) -> Untraced:
         stack.start(orchestrators=1, workers=1, concurrency=16)
         stack.wait_consuming()
         urls = (stack.settings.amqp_url, stack.settings.redis_url, f"{stack.prefix}:skeleton")
-        with skeleton.roles(*urls):
+        with skeleton.roles(*urls) as skeleton_pids:
+            pids = {
+                "saga": {
+                    "orchestrator": stack.processes["orchestrator-0"].pid,
+                    "worker": stack.processes["worker-0"].pid,
+                },
+                "skeleton": skeleton_pids,
+            }
             before, _ = asyncio.run(bare_hop(stack.settings.amqp_url, args.pings // 2))
-            plain, bare_protocol = asyncio.run(runs_in_turn(stack, urls, args.plain_runs, args.timeout))
+            plain, bare_protocol, cpu = asyncio.run(
+                runs_in_turn(stack, urls, pids, args.plain_runs, args.timeout)
+            )
             after, _ = asyncio.run(bare_hop(stack.settings.amqp_url, args.pings - args.pings // 2))
-        return Untraced(plain, bare_protocol, before + after)
+        return Untraced(plain, bare_protocol, before + after, cpu)
     finally:
         stack.teardown(keep=False)
 
@@ -433,17 +455,34 @@ def completed(run: SingleRun, stack: BenchStack) -> SingleRun:
 
 
 async def runs_in_turn(
-    stack: BenchStack, urls: tuple[str, str, str], count: int, timeout_s: float
-) -> tuple[list[float], list[float]]:
-    """``count`` saga runs and ``count`` skeleton runs, in turn, after a warm-up run of each."""
+    stack: BenchStack,
+    urls: tuple[str, str, str],
+    pids: dict[str, dict[str, int]],
+    count: int,
+    timeout_s: float,
+) -> tuple[list[float], list[float], dict[str, float]]:
+    """``count`` saga runs and ``count`` skeleton runs, in turn, after a warm-up run of each; with the
+    CPU time (ms) the processes of each (``pids``: by side, then role) spent on them, read right before
+    and after each run, so that nothing done between runs counts."""
     watcher = Watcher(stack.settings.redis_url, stack.prefix)
     driver = skeleton.Driver(*urls, timeout_s=timeout_s)
+    cpu: dict[str, float] = {}
+
+    async def counted(side: str, run: Awaitable[float]) -> float:
+        before = {role: cpu_ns(pid) for role, pid in pids[side].items()}
+        ms = await run
+        for role, pid in pids[side].items():
+            name = f"{side} {role}"
+            cpu[name] = cpu.get(name, 0.0) + (cpu_ns(pid) - before[role]) * MS
+        return ms
+
     try:
         await driver.open()
         async with Client(stack.settings) as client:
 
             async def saga_run(name: str) -> float:
-                return completed(await watcher.time_one(client, name, 0.001, timeout_s), stack).ms
+                timed = await watcher.time_one(client, name, 0.001, timeout_s)
+                return completed(timed, stack).ms
 
             await saga_run("warm-0")
             await driver.one()
@@ -451,12 +490,12 @@ async def runs_in_turn(
             bare_protocol: list[float] = []
             for i in range(count):
                 if i % 2 == 0:
-                    saga.append(await saga_run(f"p{i}"))
-                    bare_protocol.append(await driver.one())
+                    saga.append(await counted("saga", saga_run(f"p{i}")))
+                    bare_protocol.append(await counted("skeleton", driver.one()))
                 else:
-                    bare_protocol.append(await driver.one())
-                    saga.append(await saga_run(f"p{i}"))
-            return saga, bare_protocol
+                    bare_protocol.append(await counted("skeleton", driver.one()))
+                    saga.append(await counted("saga", saga_run(f"p{i}")))
+            return saga, bare_protocol, cpu
     finally:
         await driver.close()
         await watcher.close()

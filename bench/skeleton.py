@@ -122,16 +122,17 @@ async def worker(amqp_url: str) -> None:
 
 
 @contextmanager
-def roles(amqp_url: str, redis_url: str, prefix: str) -> Iterator[None]:
-    """The orchestrator and the worker, each a process of its own, for the ``with`` body."""
-    processes = [
-        subprocess.Popen([sys.executable, __file__, role, amqp_url, redis_url, prefix])
+def roles(amqp_url: str, redis_url: str, prefix: str) -> Iterator[dict[str, int]]:
+    """The orchestrator and the worker, each a process of its own, for the ``with`` body, which gets
+    their process ids by role."""
+    processes = {
+        role: subprocess.Popen([sys.executable, __file__, role, amqp_url, redis_url, prefix])
         for role in ("orchestrator", "worker")
-    ]
+    }
     try:
-        yield
+        yield {role: process.pid for role, process in processes.items()}
     finally:
-        for process in processes:
+        for process in processes.values():
             process.kill()
             process.wait()
 

@@ -10,6 +10,7 @@ definition in ``definitions/`` published. Orchestrators and workers run as real 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import os
@@ -39,6 +40,20 @@ def cpu_seconds(pid: int) -> float:
     except OSError:
         return 0.0
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_ns(pid: int) -> int:
+    """Nanoseconds on a CPU so far of every thread of a live process, from /proc/<pid>/task/*/schedstat
+    (exact, where ``cpu_seconds`` counts clock ticks: fine enough for a run of milliseconds); 0 once it is
+    gone."""
+    total = 0
+    try:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            with contextlib.suppress(OSError):
+                total += int((task / "schedstat").read_text().split()[0])
+    except OSError:
+        return 0
+    return total
 
 
 SERVICES = {"beam.smp": "rabbitmq", "redis-server": "redis"}
