@@ -47,13 +47,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import statistics
 import sys
 import tempfile
 import time
 from collections import defaultdict
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -284,8 +285,7 @@ def report_untraced(untraced: Untraced) -> None:
             emit("bare hop around the latency runs p50", p50(untraced.hops), "ms", pings=len(untraced.hops))
     if bare_protocol:
         emit("skeleton latency p50", p50(bare_protocol), "ms", runs=len(bare_protocol), back_to_back=True)
-    for name, total in sorted(untraced.cpu_ms.items()):
-        side, role = name.split(" ")
+    for (side, role), total in sorted(untraced.cpu_ms.items()):
         emit("cpu per run", total / len(plain), "ms", side=side, process=role, runs=len(plain))
 
 
@@ -414,7 +414,7 @@ class Untraced:
     latencies: list[float]
     skeleton: list[float]
     hops: list[float]
-    cpu_ms: dict[str, float] = field(default_factory=dict)
+    cpu_ms: dict[tuple[str, str], float] = field(default_factory=dict)  # by (side, process)
 
 
 def untraced_latencies(args: argparse.Namespace) -> Untraced:
@@ -460,20 +460,19 @@ async def runs_in_turn(
     pids: dict[str, dict[str, int]],
     count: int,
     timeout_s: float,
-) -> tuple[list[float], list[float], dict[str, float]]:
+) -> tuple[list[float], list[float], dict[tuple[str, str], float]]:
     """``count`` saga runs and ``count`` skeleton runs, in turn, after a warm-up run of each; with the
     CPU time (ms) the processes of each (``pids``: by side, then role) spent on them, read right before
     and after each run, so that nothing done between runs counts."""
     watcher = Watcher(stack.settings.redis_url, stack.prefix)
     driver = skeleton.Driver(*urls, timeout_s=timeout_s)
-    cpu: dict[str, float] = {}
+    cpu: dict[tuple[str, str], float] = {}
 
     async def counted(side: str, run: Awaitable[float]) -> float:
         before = {role: cpu_ns(pid) for role, pid in pids[side].items()}
         ms = await run
         for role, pid in pids[side].items():
-            name = f"{side} {role}"
-            cpu[name] = cpu.get(name, 0.0) + (cpu_ns(pid) - before[role]) * MS
+            cpu[side, role] = cpu.get((side, role), 0.0) + (cpu_ns(pid) - before[role]) * MS
         return ms
 
     try:
@@ -486,16 +485,15 @@ async def runs_in_turn(
 
             await saga_run("warm-0")
             await driver.one()
-            saga: list[float] = []
-            bare_protocol: list[float] = []
+            latencies: dict[str, list[float]] = {"saga": [], "skeleton": []}
             for i in range(count):
-                if i % 2 == 0:
-                    saga.append(await counted("saga", saga_run(f"p{i}")))
-                    bare_protocol.append(await counted("skeleton", driver.one()))
-                else:
-                    bare_protocol.append(await counted("skeleton", driver.one()))
-                    saga.append(await counted("saga", saga_run(f"p{i}")))
-            return saga, bare_protocol, cpu
+                runs: dict[str, Callable[[], Awaitable[float]]] = {
+                    "saga": functools.partial(saga_run, f"p{i}"),
+                    "skeleton": driver.one,
+                }
+                for side in ("saga", "skeleton") if i % 2 == 0 else ("skeleton", "saga"):
+                    latencies[side].append(await counted(side, runs[side]()))
+            return latencies["saga"], latencies["skeleton"], cpu
     finally:
         await driver.close()
         await watcher.close()
