@@ -172,13 +172,6 @@ class DefinitionStore:
         )
         return bool(int(written))
 
-    async def digest_info(self, digests: list[str]) -> list[DigestInfo | None]:
-        """For each digest, its definition version and lifecycle state (None: no version publishes it)."""
-        if not digests:
-            return []
-        raw = await self.client.hmget(digests_key(self.prefix), digests)
-        return [parse_digest_info(r) for r in raw]
-
 
 def parse_state(name: str, raw: Any) -> DefinitionState:
     if raw is None:

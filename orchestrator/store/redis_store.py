@@ -26,6 +26,7 @@ from orchestrator.engine import clocks
 from orchestrator.engine.model import Decision, RunSnapshot
 from orchestrator.engine.plan import Plan, typed_plan
 from orchestrator.errors import SagaError
+from orchestrator.governance.store import digests_key, parse_digest_info
 from orchestrator.store.connect import is_cluster, load_function_library
 from orchestrator.store.facets import changes_status, index_spec
 from orchestrator.store.keys import ShardKeys, index_key, plan_key, refused_key
@@ -123,6 +124,8 @@ class RedisStore:
     async def _round_trip(self, commands: list[Command]) -> list[Any]:
         """``commands`` in one round trip, each reply in order (a refused command's error as its
         reply): on the lane where the store has one, else in a pipeline."""
+        if not commands:
+            return []
         if self._lane is not None:
             return await self._lane.execute(commands)
         async with self.client.pipeline(transaction=False) as pipe:
@@ -396,28 +399,35 @@ class RedisStore:
         owner = await self.client.get(key)
         return _str(owner) if owner is not None else shard
 
-    async def claim_fresh(self, run_ids: list[str], shard: str) -> list[tuple[str, bool]]:
-        """:meth:`claim` for many runs in two round trips at most, saying for each whether this very call
-        claimed it (``True``: nobody had, so no record of the run can exist but one whose claim expired
-        before it, which creating the run finds all the same)."""
-        if not run_ids:
-            return []
+    async def claim_fresh(
+        self, run_ids: list[str], shard: str, digests: list[str]
+    ) -> tuple[list[DigestInfo | None], list[tuple[str, bool]]]:
+        """:meth:`claim` for many runs, saying for each whether this very call claimed it (``True``:
+        nobody had, so no record of the run can exist but one whose claim expired before it, which
+        creating the run finds all the same); and, read in the same round trip, the definition version
+        and lifecycle state of each of ``digests`` (None: no version publishes it), which decide whether
+        a start may create its run at all. A caller that refuses a start it claimed gives the claim back
+        (:meth:`release_claim`). Two round trips only when a run was claimed before (a re-sent start)."""
         keys = [index_key(self.prefix, run_id) for run_id in run_ids]
-        async with self.client.pipeline(transaction=False) as pipe:
-            for key in keys:
-                pipe.set(key, shard, nx=True)
-            won = await pipe.execute()
+        reads: list[Command] = [("HMGET", digests_key(self.prefix), *digests)] if digests else []
+        answers = await self._round_trip(reads + [("SET", key, shard, "NX") for key in keys])
+        for answer in answers:
+            if isinstance(answer, Exception):
+                raise answer
+        infos = [parse_digest_info(raw) for raw in answers[0]] if digests else []
+        won = answers[len(reads) :]
         lost = [key for key, ok in zip(keys, won, strict=True) if not ok]
-        owners: dict[str, Any] = {}
-        if lost:  # GETs, not MGET: the claims are spread over the slots of a cluster
-            async with self.client.pipeline(transaction=False) as pipe:
-                for key in lost:
-                    pipe.get(key)
-                owners = dict(zip(lost, await pipe.execute(), strict=True))
-        return [
+        # GETs, not MGET: the claims are spread over the slots of a cluster
+        owners = dict(zip(lost, await self._round_trip([("GET", key) for key in lost]), strict=True))
+        return infos, [
             (shard, True) if ok else (_str(owners.get(key) or shard), False)
             for key, ok in zip(keys, won, strict=True)
         ]
+
+    async def release_claim(self, run_id: str) -> None:
+        """Give back a claim :meth:`claim_fresh` made for a start that creates no run: nobody else can
+        have written it since (every claim is SET NX), and a start re-sent later claims it afresh."""
+        await self.client.delete(index_key(self.prefix, run_id))
 
     async def owner(self, run_id: str) -> str | None:
         owner = await self.client.get(index_key(self.prefix, run_id))

@@ -144,6 +144,9 @@ def test_a_release_under_load_canary_promote_rollback_retire_never_moves_a_run(
     assert "not approved" in (refused.reason or "")
     assert saga(stack, "status", forged)["state"] == "refused"
     assert stack.saga("wait", forged).returncode == 1
+    # and the shard, which claims a start's run id in the round trip that reads its version's state,
+    # gave the claim back: a refused start holds no run id
+    assert stack.redis.get(index_key(stack.prefix, forged)) is None
 
     # When bob approves it, the same forged start creates its run after all (status shows the run)
     saga(stack, "definitions", "approve", "model-ingest", "--version", "2.4.0", env=BOB)
@@ -189,6 +192,7 @@ def test_a_release_under_load_canary_promote_rollback_retire_never_moves_a_run(
     forged_start(stack, "forged-retired", new["digest"])
     refused = client.wait("forged-retired", timeout_s=30)
     assert refused.state == "refused" and "retired" in (refused.reason or "")
+    assert stack.redis.get(index_key(stack.prefix, "forged-retired")) is None
     # even for a run id whose claim outlived its run (a crash between claim and create, an expired run)
     stack.redis.set(index_key(stack.prefix, "forged-orphan"), "fast.0")
     forged_start(stack, "forged-orphan", new["digest"])
