@@ -7,7 +7,10 @@ the minutes more than the code. Here each tree gets a stack of its own (one orch
 no-op handlers, as ``bench/run.py``), both running at once, and single runs alternate between them (A
 then B, then B then A, ...), each timed as ``bench/run.py`` times its single runs. Pairs of runs a few
 milliseconds apart see the same machine. It prints each side's p25 / p50 / p75, the median of the paired
-differences (B - A) and the ratio of the medians.
+differences (B - A) and the ratio of the medians; then the CPU time each side's orchestrator and worker
+spent on its runs (every thread's, read right before and after each run, as ``bench/latency.py`` reads
+it), per run, and the paired median of the two processes' sum: a change too small for the latency to
+show (its resolution here is about 0.4 ms) shows in the CPU its critical path no longer spends.
 
 Each tree runs its own code: ``bench/ab_latency.py serve`` is started with this interpreter (or the
 side's ``--python-a`` / ``--python-b``: the same tree twice compares two interpreters) and the tree as its
@@ -27,6 +30,7 @@ import sys
 from pathlib import Path
 
 READY = "ready"
+PROCESSES = ("orchestrator", "worker")
 
 
 def serve() -> None:
@@ -46,7 +50,8 @@ def serve() -> None:
             async with Client(stack.settings) as client:
                 for i in range(3):  # warm-up
                     await watcher.time_one(client, f"w{i}", 0.001, 30)
-                print(READY, flush=True)
+                pids = [stack.processes[f"{name}-0"].pid for name in PROCESSES]
+                print(READY, *pids, flush=True)
                 i = 0
                 while await reader.readline():
                     i += 1
@@ -66,6 +71,10 @@ def serve() -> None:
 
 
 def compare(a: Path, b: Path, runs: int, pythons: tuple[str, str]) -> None:
+    # imported here, in the parent alone: a side's stack imports its own tree's code, never this one's
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from bench.stack import cpu_ns
+
     here = Path(__file__).resolve()
     sides = [
         subprocess.Popen(
@@ -78,19 +87,24 @@ def compare(a: Path, b: Path, runs: int, pythons: tuple[str, str]) -> None:
         )
         for tree, python in zip((a, b), pythons, strict=True)
     ]
+    pids: list[list[int]] = []
     try:
         for tree, side in zip((a, b), sides, strict=True):
             assert side.stdout is not None
-            line = side.stdout.readline().strip()
-            if line != READY:
-                raise SystemExit(f"the stack of {tree} did not start (it said {line!r})")
+            word, *numbers = side.stdout.readline().split()
+            if word != READY:
+                raise SystemExit(f"the stack of {tree} did not start (it said {word!r})")
+            pids.append([int(n) for n in numbers])
         latencies: list[list[float]] = [[], []]
+        cpu_ms: list[list[list[float]]] = [[], []]  # by side, then run: each process's CPU on it
         for i in range(runs):
             for k in (0, 1) if i % 2 == 0 else (1, 0):
                 side = sides[k]
                 assert side.stdin is not None and side.stdout is not None
+                before = [cpu_ns(pid) for pid in pids[k]]
                 side.stdin.write("run\n")
                 ms, state = side.stdout.readline().split()
+                cpu_ms[k].append([(cpu_ns(pid) - b) / 1e6 for pid, b in zip(pids[k], before, strict=True)])
                 if state != "completed":
                     raise SystemExit(f"a run of {(a, b)[k]} ended {state}")
                 latencies[k].append(float(ms))
@@ -106,6 +120,22 @@ def compare(a: Path, b: Path, runs: int, pythons: tuple[str, str]) -> None:
     paired = statistics.median(y - x for x, y in zip(*latencies, strict=True))
     ratio = statistics.median(latencies[1]) / statistics.median(latencies[0])
     print(f"B - A, paired median: {paired:+.2f} ms; B / A p50: {ratio:.3f} ({runs} runs each)")
+    report_cpu((a, b), cpu_ms)
+
+
+def report_cpu(trees: tuple[Path, Path], cpu_ms: list[list[list[float]]]) -> None:
+    """Each side's CPU a run by process (medians over its runs), and the paired median of the sums."""
+    if not all(cpu_ms):
+        return
+    for tree, runs in zip(trees, cpu_ms, strict=True):
+        by_process = ", ".join(
+            f"{name} {statistics.median(run[j] for run in runs):.2f}" for j, name in enumerate(PROCESSES)
+        )
+        print(f"{tree}: cpu a run (median): {by_process} ms")
+    totals = [[sum(run) for run in runs] for runs in cpu_ms]
+    paired = statistics.median(y - x for x, y in zip(*totals, strict=True))
+    ratio = statistics.median(totals[1]) / statistics.median(totals[0])
+    print(f"cpu a run (orchestrator + worker), B - A paired median: {paired:+.2f} ms; B / A: {ratio:.3f}")
 
 
 def main(argv: list[str] | None = None) -> int:
