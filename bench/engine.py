@@ -1,0 +1,143 @@
+"""The engine's decision per message, hot and after idle: what a single run's messages pay that a loaded
+orchestrator's do not.
+
+Drives ``--runs`` model-ingest runs through the engine and the in-memory store (the property tests'
+``Sim``, no services), keeps every ``advance`` call they make (a start, five results, the finaliser's),
+then times those same calls three ways:
+
+* **hot**: back to back, best of ``--repeat`` passes, as a busy orchestrator makes them;
+* **after a sleep**: each after ``--idle-ms`` of sleep, as a shard waits between the messages of one run;
+* **after a sleep and a sweep**: each after writing to ``--sweep-mb`` of memory, then the sleep, as a run's
+  message finds the caches after the broker, Redis and the worker ran in between.
+
+The engine does the same work in all three; only what the processor finds in its caches differs. So the
+ratios say how much of a single run's per-message time is the reach of the code and data a message touches
+(its footprint), not the work itself. For comparison, the same three timings of what the protocol's
+skeleton (``bench/skeleton.py``) does with a message in Python: parse a task-sized JSON body and write its
+result. Prints one JSON line per figure (microseconds, p50 over the calls).
+
+    .venv/bin/python bench/engine.py --runs 30
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from orchestrator.engine import advance
+from tests.unit import engine_sim
+from tests.unit.test_engine import sim_for
+
+Call = tuple[tuple[Any, ...], dict[str, Any]]
+TASK = json.dumps(
+    {"run": "r" * 32, "stage": "render-thumbnail", "input": {"modelId": "m" * 16}, "pad": "x" * 600}
+)
+
+
+def skeleton_work() -> None:
+    """What the skeleton's worker does with a task, in Python: the body parsed, the result written."""
+    body = json.loads(TASK)
+    json.dumps({"run": body["run"], "stage": body["stage"], "result": {"ok": True}})
+
+
+def captured_calls(runs: int) -> list[Call]:
+    """Every ``advance`` call of ``runs`` model-ingest runs driven to their end."""
+    calls: list[Call] = []
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        calls.append((args, kwargs))
+        return advance(*args, **kwargs)
+
+    # the simulator calls the engine through its own module's name for it
+    setattr(engine_sim, "advance", recording)  # noqa: B010
+    try:
+        for i in range(runs):
+            sim = sim_for("model-ingest", {"modelId": f"bench-{i}"}, run_id=f"bench-{i}")
+            sim.run()
+            if sim.status != "completed":
+                raise SystemExit(f"run bench-{i} ended {sim.status}: the bench's workload is broken")
+    finally:
+        setattr(engine_sim, "advance", advance)  # noqa: B010
+    return calls
+
+
+def timed(work: Callable[[], Any], before: Callable[[], None]) -> float:
+    before()
+    started = time.perf_counter()
+    work()
+    return (time.perf_counter() - started) * 1e6
+
+
+def three_ways(
+    works: list[Callable[[], Any]], repeat: int, idle_ms: float, sweep_mb: int
+) -> tuple[float, float, float]:
+    """p50 of ``works`` hot (best of ``repeat`` passes), after a sleep each, after a sweep and a sleep."""
+    sweep = bytearray(sweep_mb * 1024 * 1024)
+
+    def idle() -> None:
+        time.sleep(idle_ms / 1000)
+
+    def swept_then_idle() -> None:
+        for i in range(0, len(sweep), 64):  # one write per cache line
+            sweep[i] ^= 1
+        idle()
+
+    hot = min(statistics.median([timed(work, lambda: None) for work in works]) for _ in range(repeat))
+    after_idle = statistics.median([timed(work, idle) for work in works])
+    after_sweep = statistics.median([timed(work, swept_then_idle) for work in works])
+    return hot, after_idle, after_sweep
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--runs", type=int, default=30, help="model-ingest runs whose calls are timed")
+    p.add_argument("--repeat", type=int, default=15, help="hot passes over the calls (the best counts)")
+    p.add_argument("--idle-ms", type=float, default=2.0, help="sleep before each idle call")
+    p.add_argument("--sweep-mb", type=int, default=16, help="memory written before each swept call")
+    args = p.parse_args(argv)
+    calls = captured_calls(args.runs)
+    decisions: list[Callable[[], Any]] = [functools.partial(advance, *a, **kw) for a, kw in calls]
+    gc.disable()  # a collection inside one timed call would be charged to it
+    skeleton: list[Callable[[], Any]] = [skeleton_work] * len(calls)
+    for what, works in (("engine decision", decisions), ("skeleton's work", skeleton)):
+        hot, after_idle, after_sweep = three_ways(works, args.repeat, args.idle_ms, args.sweep_mb)
+        common = {"peer": "saga", "unit": "us", "calls": len(calls), "runs": args.runs}
+        print(json.dumps({**common, "figure": f"{what} p50, hot", "value": round(hot, 1)}))
+        print(
+            json.dumps(
+                {
+                    **common,
+                    "figure": f"{what} p50, after a sleep",
+                    "value": round(after_idle, 1),
+                    "idle_ms": args.idle_ms,
+                    "over_hot": round(after_idle / hot, 2),
+                }
+            )
+        )
+        print(
+            json.dumps(
+                {
+                    **common,
+                    "figure": f"{what} p50, after a sleep and a sweep",
+                    "value": round(after_sweep, 1),
+                    "idle_ms": args.idle_ms,
+                    "sweep_mb": args.sweep_mb,
+                    "over_hot": round(after_sweep / hot, 2),
+                }
+            )
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
