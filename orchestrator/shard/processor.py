@@ -298,11 +298,12 @@ class Processor:
     async def _claimed_starts(
         self, shard: str, starts: list[int], envelopes: list[Envelope], outcomes: list[Outcome | None]
     ) -> list[_Work]:
-        """The batch's starts whose version may start runs, claimed for this shard: the claims and the
-        versions' lifecycle states in one round trip for the batch. A start that names no plan gets the
-        version a client would have chosen for its run id. A start whose run this call claimed first
-        reads nothing (creating one that exists after all is refused by the store as a duplicate);
-        another reads the run first. A start refused here gives back the claim it made."""
+        """The batch's starts whose version may start runs, claimed for this shard in one round trip
+        after the one that reads the versions' states (a start is claimed only once it may go on: a
+        claim given back later could be another consumer's of this shard by then). A start that names
+        no plan gets the version a client would have chosen for its run id. A start whose run this call
+        claimed first reads nothing (creating one that exists after all is refused by the store as a
+        duplicate); another reads the run first."""
         named: list[tuple[int, str, dict[str, Any]]] = []
         for i in starts:
             chosen = await self._digest_of(shard, envelopes[i])
@@ -310,43 +311,29 @@ class Processor:
                 outcomes[i] = chosen
             else:
                 named.append((i, *chosen))
-        run_ids = [envelopes[i].run_id for i, _, _ in named]
-        infos, owners = await self.store.claim_fresh(run_ids, shard, [digest for _, digest, _ in named])
-        claimed: list[_Work] = []
-        for (i, digest, context), info, (owner, fresh) in zip(named, infos, owners, strict=True):
-            envelope = envelopes[i]
-            refused = await self._unstartable(shard, envelope, digest, info, fresh)
-            if refused is not None:
-                outcomes[i] = refused
-            elif owner != shard:
-                outcomes[i] = Outcome(forward_to=owner)
-            else:
-                plan = await self.store.typed_plan(digest)  # _unstartable read it: cached
-                versions = await self.store.plan_versions(digest)
-                event = StartRun(
-                    envelope.message_id, envelope.run_id, shard, context, envelope.tenant, versions
-                )
-                claimed.append(_Work(i, envelope.run_id, event, plan, digest, fresh=not fresh))
-        return claimed
-
-    async def _unstartable(
-        self, shard: str, envelope: Envelope, digest: str, info: DigestInfo | None, fresh: bool
-    ) -> Outcome | None:
-        """Why a start creates no run from ``digest`` (its version may not start runs, or its plan is
-        missing), with the claim this call made for it given back first; None when it goes on."""
-        if info is None or not info.startable:
-            if fresh:
-                await self.store.release_claim(envelope.run_id)
-            refusal = await self._refusal(shard, envelope, digest, info)
+        # only approved, not retired versions start runs: one read for the batch
+        infos = await self.store.digest_info([digest for _, digest, _ in named])
+        candidates = []
+        for (i, digest, context), info in zip(named, infos, strict=True):
+            refusal = await self._refusal(shard, envelopes[i], digest, info)
             if refusal is not None:
-                return refusal
-        try:
-            await self.store.typed_plan(digest)
-        except PlanNotFound as exc:
-            if fresh:
-                await self.store.release_claim(envelope.run_id)
-            return Outcome(rejected=("unknown-definition", str(exc)))
-        return None
+                outcomes[i] = refusal
+                continue
+            try:
+                candidates.append((i, await self.store.typed_plan(digest), digest, context))
+            except PlanNotFound as exc:
+                outcomes[i] = Outcome(rejected=("unknown-definition", str(exc)))
+        owners = await self.store.claim_fresh([envelopes[i].run_id for i, *_ in candidates], shard)
+        claimed: list[_Work] = []
+        for (i, plan, digest, context), (owner, fresh) in zip(candidates, owners, strict=True):
+            envelope = envelopes[i]
+            if owner != shard:
+                outcomes[i] = Outcome(forward_to=owner)
+                continue
+            versions = await self.store.plan_versions(digest)
+            event = StartRun(envelope.message_id, envelope.run_id, shard, context, envelope.tenant, versions)
+            claimed.append(_Work(i, envelope.run_id, event, plan, digest, fresh=not fresh))
+        return claimed
 
     async def _digest_of(self, shard: str, envelope: Envelope) -> tuple[str, dict[str, Any]] | Outcome:
         """The plan a start creates its run from, with its context; or why it creates none."""

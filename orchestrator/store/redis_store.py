@@ -399,35 +399,29 @@ class RedisStore:
         owner = await self.client.get(key)
         return _str(owner) if owner is not None else shard
 
-    async def claim_fresh(
-        self, run_ids: list[str], shard: str, digests: list[str]
-    ) -> tuple[list[DigestInfo | None], list[tuple[str, bool]]]:
-        """:meth:`claim` for many runs, saying for each whether this very call claimed it (``True``:
-        nobody had, so no record of the run can exist but one whose claim expired before it, which
-        creating the run finds all the same); and, read in the same round trip, the definition version
-        and lifecycle state of each of ``digests`` (None: no version publishes it), which decide whether
-        a start may create its run at all. A caller that refuses a start it claimed gives the claim back
-        (:meth:`release_claim`). Two round trips only when a run was claimed before (a re-sent start)."""
+    async def claim_fresh(self, run_ids: list[str], shard: str) -> list[tuple[str, bool]]:
+        """:meth:`claim` for many runs in two round trips at most (on the lane, where the store has one),
+        saying for each whether this very call claimed it (``True``: nobody had, so no record of the run
+        can exist but one whose claim expired before it, which creating the run finds all the same)."""
         keys = [index_key(self.prefix, run_id) for run_id in run_ids]
-        reads: list[Command] = [("HMGET", digests_key(self.prefix), *digests)] if digests else []
-        answers = await self._round_trip(reads + [("SET", key, shard, "NX") for key in keys])
-        for answer in answers:
-            if isinstance(answer, Exception):
-                raise answer
-        infos = [parse_digest_info(raw) for raw in answers[0]] if digests else []
-        won = answers[len(reads) :]
+        won = _answers(await self._round_trip([("SET", key, shard, "NX") for key in keys]))
         lost = [key for key, ok in zip(keys, won, strict=True) if not ok]
         # GETs, not MGET: the claims are spread over the slots of a cluster
-        owners = dict(zip(lost, await self._round_trip([("GET", key) for key in lost]), strict=True))
-        return infos, [
+        owners = dict(
+            zip(lost, _answers(await self._round_trip([("GET", key) for key in lost])), strict=True)
+        )
+        return [
             (shard, True) if ok else (_str(owners.get(key) or shard), False)
             for key, ok in zip(keys, won, strict=True)
         ]
 
-    async def release_claim(self, run_id: str) -> None:
-        """Give back a claim :meth:`claim_fresh` made for a start that creates no run: nobody else can
-        have written it since (every claim is SET NX), and a start re-sent later claims it afresh."""
-        await self.client.delete(index_key(self.prefix, run_id))
+    async def digest_info(self, digests: list[str]) -> list[DigestInfo | None]:
+        """For each plan digest, its definition version and lifecycle state (None: no version publishes
+        it), in one round trip on the lane: a shard reads them for every batch of starts."""
+        if not digests:
+            return []
+        (raw,) = _answers(await self._round_trip([("HMGET", digests_key(self.prefix), *digests)]))
+        return [parse_digest_info(r) for r in raw]
 
     async def owner(self, run_id: str) -> str | None:
         owner = await self.client.get(index_key(self.prefix, run_id))
@@ -527,6 +521,14 @@ def _grouped(calls: list[tuple[Spec, list[str]]]) -> list[tuple[Spec, list[str]]
             out.append((spec, keys))
     flush()
     return out
+
+
+def _answers(replies: list[Any]) -> list[Any]:
+    """A round trip's replies, or the first error among them raised."""
+    for reply in replies:
+        if isinstance(reply, Exception):
+            raise reply
+    return replies
 
 
 def _result(answer: list[Any]) -> ApplyResult:
