@@ -9,8 +9,9 @@ then B, then B then A, ...), each timed as ``bench/run.py`` times its single run
 milliseconds apart see the same machine. It prints each side's p25 / p50 / p75, the median of the paired
 differences (B - A) and the ratio of the medians; then the CPU time each side's orchestrator and worker
 spent on its runs (every thread's, read right before and after each run, as ``bench/latency.py`` reads
-it), per run, and the paired median of the two processes' sum: a change too small for the latency to
-show (its resolution here is about 0.4 ms) shows in the CPU its critical path no longer spends.
+it), per run, and the paired median of the two processes' sum: whether a difference in latency is work
+done or waiting. Both have noise of their own (an A/A comparison here has shown paired medians of about
+0.35 ms in each): a difference smaller than that, run both ways (``A B``, then ``B A``), says nothing.
 
 Each tree runs its own code: ``bench/ab_latency.py serve`` is started with this interpreter (or the
 side's ``--python-a`` / ``--python-b``: the same tree twice compares two interpreters) and the tree as its
@@ -91,9 +92,10 @@ def compare(a: Path, b: Path, runs: int, pythons: tuple[str, str]) -> None:
     try:
         for tree, side in zip((a, b), sides, strict=True):
             assert side.stdout is not None
-            word, *numbers = side.stdout.readline().split()
+            line = side.stdout.readline()
+            word, *numbers = line.split() or [""]
             if word != READY:
-                raise SystemExit(f"the stack of {tree} did not start (it said {word!r})")
+                raise SystemExit(f"the stack of {tree} did not start (it said {line.strip()!r})")
             pids.append([int(n) for n in numbers])
         latencies: list[list[float]] = [[], []]
         cpu_ms: list[list[list[float]]] = [[], []]  # by side, then run: each process's CPU on it

@@ -2,19 +2,21 @@
 orchestrator's do not.
 
 Drives ``--runs`` model-ingest runs through the engine and the in-memory store (the property tests'
-``Sim``, no services), keeps every ``advance`` call they make (a start, five results, the finaliser's),
-then times those same calls three ways:
+``Sim``, no services), keeps every ``advance`` call they make (eight a run: the start, five results, the
+join's release and the finaliser's result), then times those same calls three ways:
 
-* **hot**: back to back, best of ``--repeat`` passes, as a busy orchestrator makes them;
+* **hot**: back to back, as a busy orchestrator makes them (the median of ``--repeat`` passes' medians);
 * **after a sleep**: each after ``--idle-ms`` of sleep, as a shard waits between the messages of one run;
 * **after a sleep and a sweep**: each after writing to ``--sweep-mb`` of memory, then the sleep, as a run's
   message finds the caches after the broker, Redis and the worker ran in between.
 
-The engine does the same work in all three; only what the processor finds in its caches differs. So the
-ratios say how much of a single run's per-message time is the reach of the code and data a message touches
-(its footprint), not the work itself. For comparison, the same three timings of what the protocol's
-skeleton (``bench/skeleton.py``) does with a message in Python: parse a task-sized JSON body and write its
-result. Prints one JSON line per figure (microseconds, p50 over the calls).
+The engine does the same work in all three; only the state the processor is in when it starts differs:
+its caches above all, and after a sleep also whatever the idle time changed (a busy wait of the same
+length instead of the sleep leaves part of the sleep's cost out). So the ratios say how much of a single
+run's per-message time is the reach of the code and data a message touches (its footprint), not the
+work itself. For comparison, the same three timings of what the protocol's skeleton
+(``bench/skeleton.py``) does with a message in Python: parse a task-sized JSON body and write its result.
+Prints one JSON line per figure (microseconds, p50 over the calls).
 
     .venv/bin/python bench/engine.py --runs 30
 """
@@ -81,7 +83,8 @@ def timed(work: Callable[[], Any], before: Callable[[], None]) -> float:
 def three_ways(
     works: list[Callable[[], Any]], repeat: int, idle_ms: float, sweep_mb: int
 ) -> tuple[float, float, float]:
-    """p50 of ``works`` hot (best of ``repeat`` passes), after a sleep each, after a sweep and a sleep."""
+    """p50 of ``works`` hot (the median of ``repeat`` passes' medians), after a sleep each, after a sweep
+    and a sleep."""
     sweep = bytearray(sweep_mb * 1024 * 1024)
 
     def idle() -> None:
@@ -92,7 +95,9 @@ def three_ways(
             sweep[i] ^= 1
         idle()
 
-    hot = min(statistics.median([timed(work, lambda: None) for work in works]) for _ in range(repeat))
+    hot = statistics.median(
+        statistics.median([timed(work, lambda: None) for work in works]) for _ in range(repeat)
+    )
     after_idle = statistics.median([timed(work, idle) for work in works])
     after_sweep = statistics.median([timed(work, swept_then_idle) for work in works])
     return hot, after_idle, after_sweep
@@ -101,7 +106,7 @@ def three_ways(
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--runs", type=int, default=30, help="model-ingest runs whose calls are timed")
-    p.add_argument("--repeat", type=int, default=15, help="hot passes over the calls (the best counts)")
+    p.add_argument("--repeat", type=int, default=15, help="hot passes over the calls (their median counts)")
     p.add_argument("--idle-ms", type=float, default=2.0, help="sleep before each idle call")
     p.add_argument("--sweep-mb", type=int, default=16, help="memory written before each swept call")
     args = p.parse_args(argv)
