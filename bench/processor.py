@@ -7,7 +7,14 @@ garbage collector paced as in the orchestrator process (``orchestrator/gc_tuning
 the engine, the processor and redis-py cost per message from the transport, so a change to them can be
 measured without the noise of a whole bench. Prints one JSON line per repeat, then the best.
 
+With ``--idle-ms`` and ``--sweep-mb``, each batch comes after that much sleep and after that much memory
+written (outside the timed call), as a single run's messages come to a live orchestrator: after a wait,
+with the broker, Redis and the worker run in between. Run with ``--batch 1`` and without, the two say how
+much of a message's processing is the caches it finds cold (``bench/engine.py`` does the same for the
+engine alone).
+
     .venv/bin/python bench/processor.py --runs 1000 --repeat 3
+    .venv/bin/python bench/processor.py --runs 200 --batch 1 --repeat 1 --idle-ms 2 --sweep-mb 16
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import json
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -34,7 +42,21 @@ from tests.integration.test_nudge_race import REDIS_URL, SHARD, SIGNER, report
 from tests.unit.test_engine import compiled
 
 
-async def one_sitting(runs: int, batch: int) -> dict[str, float]:
+def before_each(idle_ms: float, sweep_mb: int) -> Callable[[], None]:
+    """What precedes each timed batch: ``sweep_mb`` of memory written, one write per cache line, then
+    ``idle_ms`` of sleep (nothing, by default)."""
+    sweep = bytearray(sweep_mb * 1024 * 1024)
+
+    def prepare() -> None:
+        for i in range(0, len(sweep), 64):
+            sweep[i] ^= 1
+        if idle_ms:
+            time.sleep(idle_ms / 1000)  # blocking: the loop has nothing else to do meanwhile
+
+    return prepare
+
+
+async def one_sitting(runs: int, batch: int, prepare: Callable[[], None]) -> dict[str, float]:
     client = async_client(REDIS_URL, decode_responses=True)  # as the orchestrator connects
     store = RedisStore(client, prefix=f"sagabenchproc{uuid.uuid4().hex[:8]}", direct=True)
     processor = Processor(store, lambda: int(time.time() * 1000))
@@ -44,6 +66,7 @@ async def one_sitting(runs: int, batch: int) -> dict[str, float]:
     async def handle(envelopes: list[Envelope]) -> None:
         nonlocal cpu, wall, handled
         for i in range(0, len(envelopes), batch):
+            prepare()
             cpu0, wall0 = time.process_time(), time.perf_counter()
             await processor.handle_batch(SHARD, envelopes[i : i + batch])
             cpu += time.process_time() - cpu0
@@ -81,15 +104,29 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=1000)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--idle-ms", type=float, default=0.0, help="sleep before each batch")
+    parser.add_argument("--sweep-mb", type=int, default=0, help="memory written before each batch")
     args = parser.parse_args()
+    prepare = before_each(args.idle_ms, args.sweep_mb)
     gc_tuning.tune()  # the collector's pace of the orchestrator process
     sittings = []
     for _ in range(args.repeat):
-        figures = asyncio.run(one_sitting(args.runs, args.batch))
+        figures = asyncio.run(one_sitting(args.runs, args.batch, prepare))
         sittings.append(figures)
         print(json.dumps({"peer": "saga", "figure": "processor per message", **figures}), flush=True)
     best = min(sittings, key=lambda f: f["cpu_ms_per_message"])
-    print(json.dumps({"peer": "saga", "figure": "processor per message (best)", "runs": args.runs, **best}))
+    conditions = {"batch": args.batch, "idle_ms": args.idle_ms, "sweep_mb": args.sweep_mb}
+    print(
+        json.dumps(
+            {
+                "peer": "saga",
+                "figure": "processor per message (best)",
+                "runs": args.runs,
+                **conditions,
+                **best,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":
