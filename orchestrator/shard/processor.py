@@ -298,9 +298,9 @@ class Processor:
     async def _claimed_starts(
         self, shard: str, starts: list[int], envelopes: list[Envelope], outcomes: list[Outcome | None]
     ) -> list[_Work]:
-        """The batch's starts whose version may start runs, claimed for this shard in one round trip
-        after the one that reads the versions' states (a start is claimed only once it may go on: a
-        claim given back later could be another consumer's of this shard by then). A start that names
+        """The batch's starts whose version may start runs, claimed for this shard after the round trip
+        that reads the versions' states (a start is claimed only once it may go on: a claim given back
+        later could be another consumer's of this shard by then). A start that names
         no plan gets the version a client would have chosen for its run id. A start whose run this call
         claimed first reads nothing (creating one that exists after all is refused by the store as a
         duplicate); another reads the run first."""

@@ -402,7 +402,9 @@ class RedisStore:
     async def claim_fresh(self, run_ids: list[str], shard: str) -> list[tuple[str, bool]]:
         """:meth:`claim` for many runs in two round trips at most (on the lane, where the store has one),
         saying for each whether this very call claimed it (``True``: nobody had, so no record of the run
-        can exist but one whose claim expired before it, which creating the run finds all the same)."""
+        can exist but one whose claim expired before it, which creating the run finds all the same). A
+        round trip sent again after a dropped connection can answer ``False`` for a claim its first
+        sending made: the caller then reads the run first, finds none and creates it all the same."""
         keys = [index_key(self.prefix, run_id) for run_id in run_ids]
         won = _answers(await self._round_trip([("SET", key, shard, "NX") for key in keys]))
         lost = [key for key, ok in zip(keys, won, strict=True) if not ok]

@@ -144,8 +144,8 @@ def test_a_release_under_load_canary_promote_rollback_retire_never_moves_a_run(
     assert "not approved" in (refused.reason or "")
     assert saga(stack, "status", forged)["state"] == "refused"
     assert stack.saga("wait", forged).returncode == 1
-    # and the shard, which claims a start's run id in the round trip that reads its version's state,
-    # gave the claim back: a refused start holds no run id
+    # and the shard claims a start's run id only once its version may start runs: a refused start
+    # holds no run id
     assert stack.redis.get(index_key(stack.prefix, forged)) is None
 
     # When bob approves it, the same forged start creates its run after all (status shows the run)
