@@ -300,10 +300,10 @@ class Processor:
     ) -> list[_Work]:
         """The batch's starts whose version may start runs, claimed for this shard after the round trip
         that reads the versions' states (a start is claimed only once it may go on: a claim given back
-        later could be another consumer's of this shard by then). A start that names
-        no plan gets the version a client would have chosen for its run id. A start whose run this call
-        claimed first reads nothing (creating one that exists after all is refused by the store as a
-        duplicate); another reads the run first."""
+        later could be another consumer's of this shard by then). A start that names no plan gets the
+        version a client would have chosen for its run id. A start whose run this call claimed first
+        reads nothing (creating one that exists after all is refused by the store as a duplicate);
+        another reads the run first."""
         named: list[tuple[int, str, dict[str, Any]]] = []
         for i in starts:
             chosen = await self._digest_of(shard, envelopes[i])

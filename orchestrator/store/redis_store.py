@@ -231,10 +231,7 @@ class RedisStore:
     async def records(self, shard: str, run_ids: list[str]) -> list[dict[str, str] | None]:
         """The run hashes of ``run_ids`` as they are (None: no such run), in one round trip."""
         keys = self.keys(shard)
-        replies = await self._round_trip([("HGETALL", keys.run(run_id)) for run_id in run_ids])
-        for reply in replies:
-            if isinstance(reply, Exception):
-                raise reply
+        replies = _answers(await self._round_trip([("HGETALL", keys.run(run_id)) for run_id in run_ids]))
         return [_text(record) if record else None for record in replies]
 
     async def apply_many(
