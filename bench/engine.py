@@ -36,6 +36,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.cold import before_each
 from orchestrator.engine import advance
 from tests.unit import engine_sim
 from tests.unit.test_engine import sim_for
@@ -82,25 +83,25 @@ def timed(work: Callable[[], Any], before: Callable[[], None]) -> float:
 
 def three_ways(
     works: list[Callable[[], Any]], repeat: int, idle_ms: float, sweep_mb: int
-) -> tuple[float, float, float]:
+) -> list[tuple[str, float, dict[str, Any]]]:
     """p50 of ``works`` hot (the median of ``repeat`` passes' medians), after a sleep each, after a sweep
-    and a sleep."""
-    sweep = bytearray(sweep_mb * 1024 * 1024)
-
-    def idle() -> None:
-        time.sleep(idle_ms / 1000)
-
-    def swept_then_idle() -> None:
-        for i in range(0, len(sweep), 64):  # one write per cache line
-            sweep[i] ^= 1
-        idle()
-
+    and a sleep: each with its figure's name and conditions."""
     hot = statistics.median(
         statistics.median([timed(work, lambda: None) for work in works]) for _ in range(repeat)
     )
+    idle, swept = before_each(idle_ms, 0), before_each(idle_ms, sweep_mb)
     after_idle = statistics.median([timed(work, idle) for work in works])
-    after_sweep = statistics.median([timed(work, swept_then_idle) for work in works])
-    return hot, after_idle, after_sweep
+    after_sweep = statistics.median([timed(work, swept) for work in works])
+    asleep = {"idle_ms": idle_ms}
+    return [
+        ("hot", hot, {}),
+        ("after a sleep", after_idle, {**asleep, "over_hot": round(after_idle / hot, 2)}),
+        (
+            "after a sleep and a sweep",
+            after_sweep,
+            {**asleep, "sweep_mb": sweep_mb, "over_hot": round(after_sweep / hot, 2)},
+        ),
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -115,32 +116,11 @@ def main(argv: list[str] | None = None) -> int:
     gc.disable()  # a collection inside one timed call would be charged to it
     skeleton: list[Callable[[], Any]] = [skeleton_work] * len(calls)
     for what, works in (("engine decision", decisions), ("skeleton's work", skeleton)):
-        hot, after_idle, after_sweep = three_ways(works, args.repeat, args.idle_ms, args.sweep_mb)
-        common = {"peer": "saga", "unit": "us", "calls": len(calls), "runs": args.runs}
-        print(json.dumps({**common, "figure": f"{what} p50, hot", "value": round(hot, 1)}))
-        print(
-            json.dumps(
-                {
-                    **common,
-                    "figure": f"{what} p50, after a sleep",
-                    "value": round(after_idle, 1),
-                    "idle_ms": args.idle_ms,
-                    "over_hot": round(after_idle / hot, 2),
-                }
+        for how, value, conditions in three_ways(works, args.repeat, args.idle_ms, args.sweep_mb):
+            figure = {"figure": f"{what} p50, {how}", "value": round(value, 1), **conditions}
+            print(
+                json.dumps({"peer": "saga", "unit": "us", "calls": len(calls), "runs": args.runs, **figure})
             )
-        )
-        print(
-            json.dumps(
-                {
-                    **common,
-                    "figure": f"{what} p50, after a sleep and a sweep",
-                    "value": round(after_sweep, 1),
-                    "idle_ms": args.idle_ms,
-                    "sweep_mb": args.sweep_mb,
-                    "over_hot": round(after_sweep / hot, 2),
-                }
-            )
-        )
     return 0
 
 

@@ -30,6 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.cold import before_each
 from orchestrator import gc_tuning
 from orchestrator.bus.envelope import Envelope
 from orchestrator.bus.publisher import envelope_for, outgoing_from_payload
@@ -40,20 +41,6 @@ from orchestrator.store.redis_store import RedisStore
 from tests.integration.stack import publish_active
 from tests.integration.test_nudge_race import REDIS_URL, SHARD, SIGNER, report
 from tests.unit.test_engine import compiled
-
-
-def before_each(idle_ms: float, sweep_mb: int) -> Callable[[], None]:
-    """What precedes each timed batch: ``sweep_mb`` of memory written, one write per cache line, then
-    ``idle_ms`` of sleep (nothing, by default)."""
-    sweep = bytearray(sweep_mb * 1024 * 1024)
-
-    def prepare() -> None:
-        for i in range(0, len(sweep), 64):
-            sweep[i] ^= 1
-        if idle_ms:
-            time.sleep(idle_ms / 1000)  # blocking: the loop has nothing else to do meanwhile
-
-    return prepare
 
 
 async def one_sitting(runs: int, batch: int, prepare: Callable[[], None]) -> dict[str, float]:
