@@ -30,6 +30,7 @@ from orchestrator.store.replies import APPLIED, CONFLICT, DUPLICATE
 from orchestrator.wire import ids
 from tests.conftest import DEFINITIONS, DEMO_REGISTRY, compile_yaml
 from tests.faults import invariants
+from tests.integration.stack import publish_active
 from tests.unit.engine_sim import SHARD, Poisoned, Sim, apply_event, handler_output, typed
 from tests.unit.redrive_cases import Case, cases, redriven
 from tests.unit.redrive_cases import compiled as redrive_compiled
@@ -49,12 +50,15 @@ def compiled(name: str) -> CompiledPlan:
     return _plans[name]
 
 
-def with_store(test: Callable[[RedisStore], Awaitable[None]], retention_ms: int = 3_600_000) -> None:
-    """Run ``test`` with a RedisStore under a fresh prefix; delete every key of that prefix after."""
+def with_store(
+    test: Callable[[RedisStore], Awaitable[None]], retention_ms: int = 3_600_000, *, direct: bool = False
+) -> None:
+    """Run ``test`` with a RedisStore under a fresh prefix (``direct``: on the lane a shard's store has);
+    delete every key of that prefix after."""
 
     async def main() -> None:
         client = aioredis.Redis.from_url(REDIS_URL, decode_responses=True)
-        store = RedisStore(client, prefix=f"t{uuid.uuid4().hex}", retention_ms=retention_ms)
+        store = RedisStore(client, prefix=f"t{uuid.uuid4().hex}", retention_ms=retention_ms, direct=direct)
         try:
             await store.load_library()
             await test(store)
@@ -811,3 +815,28 @@ def _library_names(listing: list[list[object]]) -> set[str]:
 
 def _text(value: object) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+@pytest.mark.parametrize("direct", [False, True], ids=["pipelined", "lane"])
+def test_a_start_is_claimed_once_and_its_versions_state_read_as_governance_wrote_it(direct: bool) -> None:
+    """What a shard reads and writes before it creates a run (invariants 2 and 12): a run id is claimed by
+    the first shard only, a claim made again or by another shard names the first; a published version's
+    state is read as governance keeps it, an unknown digest as none. The same on the lane and pipelined."""
+    plan = compiled("model-ingest")
+
+    async def test(store: RedisStore) -> None:
+        assert await store.claim_fresh([], "fast.0") == []
+        assert await store.digest_info([]) == []
+        assert await store.claim_fresh(["run-a", "run-b"], "fast.0") == [("fast.0", True), ("fast.0", True)]
+        # claimed before, by this shard and by another: neither call claims it, both learn the owner
+        assert await store.claim_fresh(["run-a", "run-c"], "fast.0") == [("fast.0", False), ("fast.0", True)]
+        assert await store.claim_fresh(["run-a", "run-d"], "fast.1") == [("fast.0", False), ("fast.1", True)]
+        assert await store.owner("run-d") == "fast.1"
+
+        assert await store.digest_info([plan.digest, "sha256:unknown"]) == [None, None]
+        await publish_active(store, plan)
+        info, unknown = await store.digest_info([plan.digest, "sha256:unknown"])
+        assert unknown is None and info is not None
+        assert (info.definition, info.startable) == (plan.name, True)
+
+    with_store(test, direct=direct)
