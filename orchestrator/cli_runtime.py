@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import aio_pika
 import click
 
-from orchestrator import gc_tuning, health, logs, metrics
+from orchestrator import gc_tuning, health, logs, loops, metrics
 from orchestrator.bus import names
 from orchestrator.bus.connect import connect_robust, untracked_channel
 from orchestrator.bus.envelope import Signer
@@ -66,10 +66,10 @@ def _require_durability(settings: Settings, role: Role) -> None:
         raise _Refused(str(exc)) from exc
 
 
-def _serve(make: Any, readiness: health.Readiness | None = None, redis_timeout_s: float = 5.0) -> None:
-    """Run a service coroutine until SIGTERM/SIGINT, which asks it to drain and stop. ``make`` returns
-    the service, its cleanup and the :class:`health.Checks` that keep ``readiness`` (``/readyz``, when
-    the metrics server runs) up to date meanwhile."""
+def _serve(make: Any, settings: Settings, readiness: health.Readiness | None = None) -> None:
+    """Run a service coroutine until SIGTERM/SIGINT, which asks it to drain and stop, on the event loop
+    the settings choose. ``make`` returns the service, its cleanup and the :class:`health.Checks` that
+    keep ``readiness`` (``/readyz``, when the metrics server runs) up to date meanwhile."""
 
     async def main() -> None:
         service, cleanup, checks = await make()
@@ -78,7 +78,7 @@ def _serve(make: Any, readiness: health.Readiness | None = None, redis_timeout_s
             loop.add_signal_handler(sig, service.stop)
         watching = None
         if readiness is not None:
-            watching = asyncio.create_task(health.watch(readiness, checks, redis_timeout_s))
+            watching = asyncio.create_task(health.watch(readiness, checks, settings.redis_timeout_s))
         try:
             await service.run()
         finally:
@@ -92,7 +92,9 @@ def _serve(make: Any, readiness: health.Readiness | None = None, redis_timeout_s
                 logging.getLogger(__name__).warning("connections did not close cleanly", exc_info=True)
 
     try:
-        asyncio.run(main())
+        loops.run(main(), settings.event_loop)
+    except loops.EventLoopUnavailable as exc:
+        raise CodedUsageError("event_loop_unavailable", str(exc)) from exc
     except (aio_pika.exceptions.AMQPConnectionError, ConnectionError, OSError) as exc:
         raise unreachable(exc) from exc
 
@@ -201,7 +203,7 @@ def orchestrator(
     pinned_to = f"shards {', '.join(shard_ids)}" if shards else f"its share of {', '.join(classes)}"
     logs.announce(settings, logging.getLogger(__name__), f"orchestrator serving {pinned_to}")
     readiness = _serve_metrics(metrics_host, metrics_port)
-    _serve(make, readiness, settings.redis_timeout_s)
+    _serve(make, settings, readiness)
 
 
 class _MissingTopology(CliError):
@@ -332,7 +334,7 @@ def worker(
     logs.announce(settings, logging.getLogger(__name__), f"worker {', '.join(apps)} serving {served} on {on}")
     readiness = _serve_metrics(metrics_host, metrics_port)
     try:
-        _serve(make, readiness, settings.redis_timeout_s)
+        _serve(make, settings, readiness)
     except MissingTopology as exc:
         raise _MissingTopology(str(exc)) from None
 

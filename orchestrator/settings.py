@@ -14,6 +14,7 @@ from orchestrator.bus.names import NAMESPACE_PATTERN, Names
 from orchestrator.compiler.limits import AdmissionLimits
 from orchestrator.dsl.expressions import ExpressionLimits
 from orchestrator.dsl.yaml_source import YamlLimits
+from orchestrator.loops import EventLoopChoice
 from orchestrator.wire.sizes import DEFAULT_BAG_WINDOW, Limits
 
 DEFAULT_CONTRACT_MODULES = ("workers.demo",)
@@ -162,6 +163,11 @@ class Settings(BaseSettings):
         None, description="the control-plane server the CLI goes through (saga --server URL); unset: direct"
     )
     token: str | None = Field(None, description="the bearer token the CLI presents to SAGA_SERVER_URL")
+    event_loop: EventLoopChoice = Field(
+        "auto",
+        description="the event loop orchestrator and worker processes run on: auto (uvloop where it is "
+        "installed, else asyncio's own), uvloop (refuse to start without it) or asyncio",
+    )
     trace_dir: str | None = Field(
         None,
         description="for the bench's latency breakdown: each process appends timestamps of every message "
