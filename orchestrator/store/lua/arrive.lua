@@ -28,7 +28,7 @@ local function arrive(keys, spec)
   if any_present(keys, spec.absent) then
     return record_duplicate(keys, spec, nil)
   end
-  local failed = check_expects(keys[1], spec.expects)
+  local failed, status = check_expects(keys[1], spec.expects)
   if failed then
     return {CONFLICT, failed}
   end
@@ -40,7 +40,7 @@ local function arrive(keys, spec)
     return record_duplicate(keys, spec, a.stage)
   end
   -- checks done: the writes follow (nothing before this line wrote anything)
-  local rev = apply_all(keys, spec)
+  local rev = apply_all(keys, spec, status)
   if in_hash then
     redis.call('HSET', keys[a.k], a.member, a.value)
   else

@@ -7,6 +7,6 @@ local function saga_create(keys, args)
     return record_duplicate(keys, spec, nil)
   end
   redis.call('ZADD', keys[5], spec.at, spec.run_id)
-  return commit(keys, spec)
+  return commit(keys, spec, false)  -- no status before: the run did not exist
 end
 redis.register_function('saga_create', saga_create)

@@ -22,17 +22,35 @@ local function is_null(v)
   return v == nil or v == cjson.null
 end
 
+-- Every expected field and the run's status in one HMGET (one call, not one per field: a transition
+-- expects five or six). Returns the first field that does not hold, or nil and the status.
 local function check_expects(run, expects)
-  for _, e in ipairs(expects) do
-    local current = redis.call('HGET', run, e[1])
+  local fields = {}
+  for i, e in ipairs(expects) do fields[i] = e[1] end
+  fields[#expects + 1] = 'status'
+  local current = redis.call('HMGET', run, unpack(fields))
+  for i, e in ipairs(expects) do
     local want = e[2]
     if is_null(want) then
-      if current then return e[1] end
-    elseif current ~= want then
+      if current[i] then return e[1] end
+    elseif current[i] ~= want then
       return e[1]
     end
   end
-  return nil
+  return nil, current[#expects + 1]
+end
+
+-- The run's status once apply_writes has run: the last value spec.sets gives it (HSET keeps the last of
+-- a repeated field), else none if spec.dels removes it, else what it was.
+local function status_after(spec, before)
+  local sets = spec.sets
+  for i = #sets - 1, 1, -2 do
+    if sets[i] == 'status' then return sets[i + 1] end
+  end
+  for _, name in ipairs(spec.dels) do
+    if name == 'status' then return false end
+  end
+  return before
 end
 
 -- Barrier members that must not have arrived (a bag item's failure after its success): any present makes
@@ -108,8 +126,7 @@ end
 -- re-drive runs it. The run hash's 'counted' field says it is in the count, so only a counted run is
 -- taken out of it (runs created before the count existed never lower another run's count), and a
 -- definition version shows its runs draining to 0.
-local function count_live(keys, before)
-  local after = redis.call('HGET', keys[1], 'status')
+local function count_live(keys, before, after)
   local was, now = is_live(before), is_live(after)
   if was == now then return end
   local digest = redis.call('HGET', keys[1], 'digest')
@@ -125,10 +142,9 @@ end
 -- The listing indexes (orchestrator/store/facets.py): a run enters its definition's and version's
 -- indexes when it is created, and leaves its old status's indexes for its new status's whenever its
 -- status changes. spec.index names them only for transitions that can do either.
-local function index_status(keys, spec, before)
+local function index_status(keys, spec, before, after)
   local ix = spec.index
   if is_null(ix) then return end
-  local after = redis.call('HGET', keys[1], 'status')
   if before == after then return end
   local created = redis.call('HGET', keys[1], 'created_at') or spec.at
   if not before then
@@ -163,21 +179,22 @@ local function finish(keys, spec)
   end
 end
 
--- Every write of an accepted transition but its history, after all its checks passed. Returns the run's
--- revision after it: every transition that writes the run hash counts one (one that only records a
--- refusal writes none), so a process that keeps a run's record between transitions
--- (orchestrator/shard/records.py) can expect the revision it holds and learn of any write it did not make.
-local function apply_all(keys, spec)
+-- Every write of an accepted transition but its history, after all its checks passed; ``before`` is the
+-- run's status as they read it (false for a run not created yet). Returns the run's revision after it:
+-- every transition that writes the run hash counts one (one that only records a refusal writes none), so
+-- a process that keeps a run's record between transitions (orchestrator/shard/records.py) can expect the
+-- revision it holds and learn of any write it did not make.
+local function apply_all(keys, spec, before)
   if spec.persist then
     -- a re-driven run lives again: its keys lose the retention clock its end had started
     for i = 1, #keys do
       if not is_shard_key(i, spec) then redis.call('PERSIST', keys[i]) end
     end
   end
-  local before = redis.call('HGET', keys[1], 'status')
   apply_writes(keys, spec)
-  count_live(keys, before)
-  index_status(keys, spec, before)
+  local after = status_after(spec, before)
+  count_live(keys, before, after)
+  index_status(keys, spec, before, after)
   if spec.remember then redis.call('SADD', keys[3], spec.mid) end
   apply_timers(keys, spec)
   append_outbox(keys[4], spec.outbox)
@@ -187,8 +204,8 @@ local function apply_all(keys, spec)
   return tonumber(redis.call('HGET', keys[1], 'rev') or '0')
 end
 
-local function commit(keys, spec)
-  local rev = apply_all(keys, spec)
+local function commit(keys, spec, before)
+  local rev = apply_all(keys, spec, before)
   append_history(keys[2], spec.history, spec.at)
   finish(keys, spec)
   return {APPLIED, spec.mid, rev}

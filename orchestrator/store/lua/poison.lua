@@ -21,8 +21,8 @@ local function saga_poison(keys, args)
   end
   redis.call('HSET', keys[1], 'status', 'failed', 'reason', spec.reason, 'finished_at', spec.at)
   redis.call('HINCRBY', keys[1], 'rev', 1)  -- a kept copy of the record is stale now
-  count_live(keys, status)
-  index_status(keys, spec, status)
+  count_live(keys, status, 'failed')
+  index_status(keys, spec, status, 'failed')
   append_history(keys[2], {{'run.failed', '', '', cjson.encode({reason = spec.reason})}}, spec.at)
   return {APPLIED, spec.mid}
 end

@@ -20,10 +20,10 @@ local function saga_transition(keys, args)
   if any_present(keys, spec.absent) then
     return record_duplicate(keys, spec, nil)
   end
-  local failed = check_expects(keys[1], spec.expects)
+  local failed, status = check_expects(keys[1], spec.expects)
   if failed then
     return {CONFLICT, failed}
   end
-  return commit(keys, spec)
+  return commit(keys, spec, status)
 end
 redis.register_function('saga_transition', saga_transition)
