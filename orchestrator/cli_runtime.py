@@ -66,10 +66,24 @@ def _require_durability(settings: Settings, role: Role) -> None:
         raise _Refused(str(exc)) from exc
 
 
-def _serve(make: Any, settings: Settings, readiness: health.Readiness | None = None) -> None:
-    """Run a service coroutine until SIGTERM/SIGINT, which asks it to drain and stop, on the event loop
-    the settings choose. ``make`` returns the service, its cleanup and the :class:`health.Checks` that
-    keep ``readiness`` (``/readyz``, when the metrics server runs) up to date meanwhile."""
+def _event_loop(settings: Settings) -> loops.LoopFactory | None:
+    """What makes the event loop the settings choose; a loop this machine lacks is a configuration error
+    (exit 2), said before the process does anything else."""
+    try:
+        return loops.loop_factory(settings.event_loop)
+    except loops.EventLoopUnavailable as exc:
+        raise CodedUsageError("event_loop_unavailable", str(exc)) from exc
+
+
+def _serve(
+    make: Any,
+    settings: Settings,
+    loop: loops.LoopFactory | None,
+    readiness: health.Readiness | None = None,
+) -> None:
+    """Run a service coroutine on a loop from ``loop`` until SIGTERM/SIGINT, which asks it to drain and
+    stop. ``make`` returns the service, its cleanup and the :class:`health.Checks` that keep
+    ``readiness`` (``/readyz``, when the metrics server runs) up to date meanwhile."""
 
     async def main() -> None:
         service, cleanup, checks = await make()
@@ -92,9 +106,7 @@ def _serve(make: Any, settings: Settings, readiness: health.Readiness | None = N
                 logging.getLogger(__name__).warning("connections did not close cleanly", exc_info=True)
 
     try:
-        loops.run(main(), settings.event_loop)
-    except loops.EventLoopUnavailable as exc:
-        raise CodedUsageError("event_loop_unavailable", str(exc)) from exc
+        loops.run(main(), loop)
     except (aio_pika.exceptions.AMQPConnectionError, ConnectionError, OSError) as exc:
         raise unreachable(exc) from exc
 
@@ -137,6 +149,7 @@ def orchestrator(
     logs.configure(settings, verbose)
     TRACE.configure(settings.trace_dir, "orchestrator")
     _require_durability(settings, Role.ORCHESTRATOR)
+    loop = _event_loop(settings)
     try:
         shard_map = asyncio.run(current_map(settings, seed=False))
     except SERVICE_ERRORS as exc:  # it waits for Redis once running; the map is read again then
@@ -203,7 +216,7 @@ def orchestrator(
     pinned_to = f"shards {', '.join(shard_ids)}" if shards else f"its share of {', '.join(classes)}"
     logs.announce(settings, logging.getLogger(__name__), f"orchestrator serving {pinned_to}")
     readiness = _serve_metrics(metrics_host, metrics_port)
-    _serve(make, settings, readiness)
+    _serve(make, settings, loop, readiness)
 
 
 class _MissingTopology(CliError):
@@ -284,6 +297,7 @@ def worker(
     logs.configure(settings, verbose)
     TRACE.configure(settings.trace_dir, "worker")
     _require_durability(settings, Role.WORKER)
+    loop = _event_loop(settings)
     handlers = _handlers_of_apps(apps)
     serving = serving_queues([h.contract for h in handlers.values()], queues)
     for app in apps:
@@ -334,7 +348,7 @@ def worker(
     logs.announce(settings, logging.getLogger(__name__), f"worker {', '.join(apps)} serving {served} on {on}")
     readiness = _serve_metrics(metrics_host, metrics_port)
     try:
-        _serve(make, settings, readiness)
+        _serve(make, settings, loop, readiness)
     except MissingTopology as exc:
         raise _MissingTopology(str(exc)) from None
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import click
 
-from orchestrator.cli_runtime import _settings
+from orchestrator import loops
+from orchestrator.cli_runtime import _event_loop, _settings
 
 SHUTDOWN_GRACE_S = 5
 
@@ -21,12 +22,14 @@ def server(host: str, port: int, verbose: bool) -> None:
     from orchestrator.server.app import create_app
 
     settings = _settings()
+    loop = loops.uvicorn_loop(_event_loop(settings))
     uvicorn.run(
         create_app(settings),
         host=host,
         port=port,
         log_level="info" if verbose else "warning",
         access_log=verbose,
+        loop=loop,
         # the console's event streams never end by themselves: on SIGTERM, give requests this long to
         # finish, then close what is left (a browser's EventSource reconnects to the next server)
         timeout_graceful_shutdown=SHUTDOWN_GRACE_S,

@@ -8,10 +8,11 @@ with one message per batch (a quiet system) that overhead sits on every transiti
 
 The lane takes connections from the client's pool once and keeps them: the pool still counts them, and
 closing the client closes them. Each concurrent caller has one of its own (no await between taking and
-giving back). A connection that fails is dropped; the whole round trip is then sent once more on a new
-one, as redis-py's retry does: what the store sends this way is safe to send twice (a transition applied
-before its reply was lost is refused the second time, reads and marks change nothing again). A Redis
-Cluster has no lane (its client routes each command to its slot's node): there the store pipelines.
+giving back). A connection that fails (on either event loop, ``orchestrator/loops.py``) is dropped; the
+whole round trip is then sent once more on a new one, as redis-py's retry does: what the store sends
+this way is safe to send twice (a transition applied before its reply was lost is refused the second
+time, reads and marks change nothing again). A Redis Cluster has no lane (its client routes each command
+to its slot's node): there the store pipelines.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ class Lane:
     async def _once(self, commands: Sequence[Command]) -> list[Any]:
         connection = self._free.pop() if self._free else await self._pool.get_connection()  # type: ignore[no-untyped-call]
         try:
-            await connection.send_packed_command(connection.pack_commands(commands), check_health=False)
+            await self._send(connection, commands)
             replies = [await self._reply(connection, command) for command in commands]
         except BaseException:
             # a reply may still be on its way: the connection's stream is in no known state
@@ -54,6 +55,16 @@ class Lane:
             raise
         self._free.append(connection)
         return replies
+
+    @staticmethod
+    async def _send(connection: AbstractConnection, commands: Sequence[Command]) -> None:
+        try:
+            await connection.send_packed_command(connection.pack_commands(commands), check_health=False)
+        except RuntimeError as exc:
+            # uvloop refuses a write on a transport the peer has reset ("unable to perform operation on
+            # <TCPTransport closed=True ...>"), where asyncio's loop raises ConnectionResetError and
+            # redis-py makes that its ConnectionError: the same lost connection, replaced the same way
+            raise RedisConnectionError(f"Redis connection lost: {exc}") from exc
 
     async def _reply(self, connection: AbstractConnection, command: Command) -> Any:
         try:

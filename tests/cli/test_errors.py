@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 import socket
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -272,3 +273,17 @@ def test_a_refused_setting_is_named_without_its_secret(name: str, value: str) ->
     error = error_of(result)
     assert error["code"] == "invalid_setting" and name in error["message"], error
     assert "hunter2" not in result.output
+
+
+@pytest.mark.parametrize("command", ["orchestrator", "worker", "server"])
+def test_uvloop_asked_for_where_it_cannot_be_imported_stops_the_process_at_once_exit_2(
+    command: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "uvloop", None)  # import uvloop raises ImportError
+    env = {"SAGA_EVENT_LOOP": "uvloop", "SAGA_REDIS_URL": f"redis://{NOBODY}/0"}
+    env["SAGA_AMQP_URL"] = f"amqp://guest:guest@{NOBODY}/"
+    result = invoke(command, env=env)
+    assert result.exit_code == 2, result.output
+    assert "SAGA_EVENT_LOOP=uvloop, but uvloop cannot be imported" in result.stderr
+    assert "set SAGA_EVENT_LOOP=auto or asyncio" in result.stderr
+    assert "cannot connect" not in result.stderr  # said before it tried to reach anything

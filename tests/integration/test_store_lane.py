@@ -1,6 +1,7 @@
 """The store's lane (``orchestrator/store/lane.py``) against the real Redis: its replies are a pipeline's,
-a connection Redis dropped is replaced within the call, a call cancelled mid-reply leaves no reply behind
-for the next one, and closing the client closes the lane's connections.
+a connection Redis dropped or a reset cut is replaced within the call (on either event loop), a call
+cancelled mid-reply leaves no reply behind for the next one, and closing the client closes the lane's
+connections.
 
 Every test works under a key prefix of its own and deletes its keys afterwards.
 """
@@ -11,13 +12,17 @@ import asyncio
 import os
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from urllib.parse import urlsplit
 
 import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
+from orchestrator import loops
+from orchestrator.loops import EventLoopChoice
 from orchestrator.store.lane import Lane
 from orchestrator.store.redis_store import RedisStore
+from tests.faults.proxy import FaultProxy
 
 pytestmark = pytest.mark.services
 
@@ -82,6 +87,29 @@ def test_a_connection_redis_dropped_is_replaced_within_the_call() -> None:
         assert again != mine  # a new connection took the dropped one's place
 
     with_client(test)
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_connection_reset_under_it_is_replaced_within_the_call(loop: EventLoopChoice) -> None:
+    """A reset (RST, as a failing proxy or host gives it, not Redis's own close) makes uvloop refuse the
+    next write with a RuntimeError: it must count as a lost connection, not as a failure of the call."""
+    upstream = urlsplit(REDIS_URL)
+
+    async def main(proxy: FaultProxy) -> None:
+        client = aioredis.Redis.from_url(proxy.redis_url(), decode_responses=True)
+        lane = Lane(client)
+        try:
+            ((mine,),) = [await lane.execute([("CLIENT", "ID")])]
+            proxy.reset()  # every connection through the proxy gets an RST
+            proxy.set_pass()
+            await asyncio.sleep(0.1)  # the RST has arrived: the lane's connection is closed now
+            ((again,),) = [await lane.execute([("CLIENT", "ID")])]
+            assert again != mine
+        finally:
+            await client.aclose()
+
+    with FaultProxy(upstream.hostname or "127.0.0.1", upstream.port or 6379) as proxy:
+        loops.run(main(proxy), loop)
 
 
 def test_a_call_cancelled_mid_reply_leaves_nothing_for_the_next_one() -> None:

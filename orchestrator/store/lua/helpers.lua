@@ -179,7 +179,7 @@ local function finish(keys, spec)
   end
 end
 
--- Every write of an accepted transition but its history, after all its checks passed; ``before`` is the
+-- Every write of an accepted transition but its history, after all its checks passed; before is the
 -- run's status as they read it (false for a run not created yet). Returns the run's revision after it:
 -- every transition that writes the run hash counts one (one that only records a refusal writes none), so
 -- a process that keeps a run's record between transitions (orchestrator/shard/records.py) can expect the
