@@ -730,24 +730,40 @@ class WorkerRuntime:
         pool: ThreadPoolExecutor,
         turn: Turn,
     ) -> Any:
-        """Run the handler as its own task, so a cancellation request can stop it (and only it)."""
+        """Run the handler so that a cancellation request can stop it (and only it): an async handler in
+        this delivery's own task (a task of its own cost a task and a loop turn on every task's path), a
+        sync one in the thread pool. The request cancels what ``_running`` holds for the attempt; a
+        cancellation that the request made is taken back here and becomes the cancelled outcome."""
         key = (envelope.run_id, context.stage, context.fence)
         if key in self._cancelled:  # asked while the task waited for its turn
             raise _Cancelled
-        future = _start(handler, payload, context, pool, turn.finished)
-        turn.handed_over = True  # the handler gives the turn back when it returns
+        args = (payload, context) if handler.wants_context else (payload,)
+        this = asyncio.current_task()
+        if handler.is_async:
+            if this is None:
+                raise RuntimeError("a task's handler runs in the task of its delivery")
+            future: asyncio.Future[Any] = this
+            work: Awaitable[Any] = handler.function(*args)
+        else:
+            future = work = _in_thread(handler, args, pool, turn.finished)
+            turn.handed_over = True  # the thread gives the turn back when it is done
         running = self._running.setdefault(key, {})
         running[envelope.message_id] = (future, context)  # a task's id tells a map's items apart
         try:
-            return await future
+            output = await work
         except asyncio.CancelledError:
-            if context.cancelled.is_set():
+            # taken back only if the request was this cancellation's only source: one from outside (the
+            # worker stopping) stays pending and goes on up
+            if context.cancelled.is_set() and (future is not this or this.uncancel() == 0):
                 raise _Cancelled from None
-            raise  # the worker itself is being cancelled
+            raise
         finally:
             running.pop(envelope.message_id, None)
             if not running:
                 self._running.pop(key, None)
+        if future is this and context.cancelled.is_set() and this.cancelling():
+            this.uncancel()  # a handler that swallowed the request's cancellation: its result stands
+        return output
 
     def _result(self, task: Envelope, outcome: Outcome) -> bytes:
         body = bodies.result(
@@ -901,22 +917,13 @@ class _Cancelled(Exception):
     """The handler was stopped because the orchestrator asked (not because the worker is stopping)."""
 
 
-def _start(
-    handler: Handler,
-    payload: BaseModel,
-    context: TaskContext,
-    pool: ThreadPoolExecutor,
-    returned: Callable[[], None],
+def _in_thread(
+    handler: Handler, args: tuple[Any, ...], pool: ThreadPoolExecutor, returned: Callable[[], None]
 ) -> asyncio.Future[Any]:
-    """Start the handler; its result comes in the future returned. ``returned`` is called once the
-    handler's code has stopped running: for a thread, when the thread is done with it, however long after
-    a cancellation of the future that is (a thread cannot be stopped, only asked to)."""
-    args = (payload, context) if handler.wants_context else (payload,)
+    """Start a sync handler in the pool; its result comes in the future returned. ``returned`` is called
+    once the thread is done with it, however long after a cancellation of the future that is (a thread
+    cannot be stopped, only asked to)."""
     loop = asyncio.get_running_loop()
-    if handler.is_async:
-        task: asyncio.Future[Any] = asyncio.ensure_future(handler.function(*args))
-        task.add_done_callback(lambda _: returned())
-        return task
     # in the task's context, as an async handler is: what the handler logs carries the task's ids
     work = pool.submit(contextvars.copy_context().run, handler.function, *args)
     work.add_done_callback(lambda _: loop.call_soon_threadsafe(returned))

@@ -14,13 +14,12 @@ from types import SimpleNamespace
 from typing import Any, cast
 
 import pytest
-from pydantic import BaseModel
 
 from orchestrator import logs
 from orchestrator.bus.envelope import Envelope
 from orchestrator.settings import Settings
 from orchestrator.wire.kinds import Kind
-from workers.runtime import TaskContext, _start
+from workers.runtime import _in_thread
 from workers.sdk import Handler
 
 ISO_UTC = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z$")
@@ -119,7 +118,7 @@ def test_a_thread_pool_handler_runs_in_its_tasks_context() -> None:
 
     async def task() -> Any:
         logs.bind(run_id="run-1", stage="render")
-        return await _start(handler, cast(BaseModel, None), cast(TaskContext, None), pool, lambda: None)
+        return await _in_thread(handler, (None,), pool, lambda: None)
 
     with ThreadPoolExecutor(1) as pool:
         assert asyncio.run(task()) == {"run_id": "run-1", "stage": "render"}
