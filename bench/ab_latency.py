@@ -50,13 +50,13 @@ def serve() -> None:
         try:
             async with Client(stack.settings) as client:
                 for i in range(3):  # warm-up
-                    await watcher.time_one(client, f"w{i}", 0.001, 30)
+                    await watcher.time_one(client, f"w{i}", 30)
                 pids = [stack.processes[f"{name}-0"].pid for name in PROCESSES]
                 print(READY, *pids, flush=True)
                 i = 0
                 while await reader.readline():
                     i += 1
-                    run = await watcher.time_one(client, f"ab{i}", 0.001, 30)
+                    run = await watcher.time_one(client, f"ab{i}", 30)
                     print(f"{run.ms:.3f} {run.state}", flush=True)
         finally:
             await watcher.close()

@@ -4,7 +4,7 @@
 
 First the latency itself, untraced: one orchestrator and one worker (no-op handlers, as ``bench/run.py``)
 and ``--plain-runs`` model-ingest runs (after one warm-up run), each timed as ``bench/run.py``
-times its single runs (the client's publish of the start until a 1 ms poll sees the run completed).
+times its single runs (the client's publish of the start until its wait returns, announced the run's end).
 Tracing writes a line for every step of every message and slows each hop it measures, so the figures
 the targets are judged by come from runs it is off for. In turn with them, as many runs of the protocol's
 skeleton (``bench/skeleton.py``: the same hops and commits, none of saga's own work), its two processes
@@ -263,12 +263,10 @@ async def traced_runs(stack: BenchStack, count: int, timeout_s: float) -> list[s
     watcher = Watcher(stack.settings.redis_url, stack.prefix)
     try:
         async with Client(stack.settings) as client:
-            await watcher.time_one(client, "warm-0", 0.001, timeout_s)
+            await watcher.time_one(client, "warm-0", timeout_s)
             runs = []
             for i in range(count):
-                runs.append(
-                    completed(await watcher.time_one(client, f"t{i}", 0.001, timeout_s), stack).run_id
-                )
+                runs.append(completed(await watcher.time_one(client, f"t{i}", timeout_s), stack).run_id)
                 await asyncio.sleep(0.05)  # the next run starts on an idle system
             return runs
     finally:
@@ -421,7 +419,8 @@ def untraced_latencies(args: argparse.Namespace) -> Untraced:
     """``--plain-runs`` model-ingest runs with tracing off and as many runs of the protocol's skeleton
     (``bench/skeleton.py``, its two processes beside saga's on the same vhost), in turn (saga then the
     skeleton, then the skeleton then saga, ...), each timed as ``bench/run.py`` times its single runs:
-    from the start's publish until a 1 ms poll sees the run completed (up to 1 ms late, never early).
+    from the start's publish until the client's wait returns with the run completed (the run's end is
+    announced to it).
     Half the bare hops right before them, half right after: this machine's speed drifts within
     minutes, and runs a few milliseconds apart see the same machine."""
     stack = BenchStack(args.shard_count)
@@ -480,7 +479,7 @@ async def runs_in_turn(
         async with Client(stack.settings) as client:
 
             async def saga_run(name: str) -> float:
-                timed = await watcher.time_one(client, name, 0.001, timeout_s)
+                timed = await watcher.time_one(client, name, timeout_s)
                 return completed(timed, stack).ms
 
             await saga_run("warm-0")

@@ -50,7 +50,7 @@ from bench.stack import (  # noqa: E402
     service_pids,
 )
 from orchestrator.bus.batch import DEFAULT_PACK_TASKS  # noqa: E402
-from orchestrator.client import Client  # noqa: E402
+from orchestrator.client import Client, WaitTimeout  # noqa: E402
 from orchestrator.store.connect import async_client  # noqa: E402
 from orchestrator.store.keys import ShardKeys, index_key  # noqa: E402
 
@@ -118,7 +118,8 @@ class Meter:
 
 
 class Watcher:
-    """Reads run states from Redis: one run with a fast poll, many with one pipeline per poll."""
+    """Times single runs as a user's client waits for them; reads many runs' states from Redis with one
+    pipeline per poll."""
 
     def __init__(self, redis_url: str, prefix: str) -> None:
         self.redis = async_client(redis_url, decode_responses=True)
@@ -148,23 +149,17 @@ class Watcher:
                 self.shards[run_id] = reply
         return out
 
-    async def wait_one(self, run_id: str, poll_s: float, timeout_s: float) -> tuple[str, float]:
-        """Poll one run until it finishes; returns its state and when it was seen finished."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            status = (await self.statuses([run_id])).get(run_id)
-            if status in TERMINAL:
-                return str(status), time.perf_counter()
-            await asyncio.sleep(poll_s)
-        raise Unfinished(f"run {run_id} did not finish within {timeout_s:g} s", [run_id])
-
-    async def time_one(self, client: Client, model_id: str, poll_s: float, timeout_s: float) -> SingleRun:
-        """One model-ingest run, timed from the start's publish until a poll sees it finished (up to one
-        poll late, never early): how every bench times a single run."""
+    async def time_one(self, client: Client, model_id: str, timeout_s: float) -> SingleRun:
+        """One model-ingest run, timed from the start's publish until the client's wait returns with
+        the run finished: how every bench times a single run. The wait is announced the run's end
+        (``orchestrator/run_ends.py``), as a user's ``Client.wait`` is."""
         started = time.perf_counter()
         run_id = await client.start("model-ingest", {"modelId": model_id})
-        state, seen = await self.wait_one(run_id, poll_s, timeout_s)
-        return SingleRun(run_id, state, (seen - started) * 1000)
+        try:
+            result = await client.wait(run_id, timeout_s=timeout_s)
+        except WaitTimeout as exc:
+            raise Unfinished(f"run {run_id} did not finish within {timeout_s:g} s", [run_id]) from exc
+        return SingleRun(run_id, result.state, (time.perf_counter() - started) * 1000)
 
     async def wait_all(
         self, run_ids: list[str], poll_s: float, timeout_s: float
@@ -248,15 +243,13 @@ class Watcher:
 
 
 async def bench_latency(client: Client, watcher: Watcher, meter: Meter, args: argparse.Namespace) -> None:
-    poll_s = args.latency_poll_ms / 1000
-    await watcher.time_one(client, "warm-0", poll_s, args.timeout)
+    await watcher.time_one(client, "warm-0", args.timeout)
     meter.lap()
-    runs = [await watcher.time_one(client, f"s{i}", poll_s, args.timeout) for i in range(args.latency)]
+    runs = [await watcher.time_one(client, f"s{i}", args.timeout) for i in range(args.latency)]
     lat = sorted(run.ms for run in runs)
     extra = {
         "runs": args.latency,
         "failed": sum(run.state != "completed" for run in runs),
-        "poll_ms": args.latency_poll_ms,
         "cpu_s": meter.lap(),
     }
     emit("model-ingest latency p50", lat[len(lat) // 2], "ms", **extra)
@@ -465,7 +458,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--worker-concurrency", type=int, default=16, help="tasks at once per worker")
     p.add_argument("--shard-count", type=int, default=4, help="shards per class (SAGA_SHARD_COUNT)")
     p.add_argument("--start-concurrency", type=int, default=64, help="starts in flight at once")
-    p.add_argument("--latency-poll-ms", type=float, default=1.0, help="poll interval for single runs")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for any workload")
     p.add_argument("--keep", action="store_true", help="leave the vhost, keys and logs for inspection")
     return p.parse_args(argv)

@@ -50,12 +50,15 @@ NEXT = {
     "finaliser:0": [],
 }
 # the run's hash and history entry; the outbox entry of what follows (one: the fork's first branch); the
-# run's end, where the driver's poll finds it (in the commit itself, as a saga run's status is)
+# run's end, announced to the driver (in the commit itself, as a saga run's end is)
 COMMIT = """
 redis.call('HSET', KEYS[1], 'state', ARGV[1], 'rev', ARGV[2])
 redis.call('XADD', KEYS[2], '*', 'kind', ARGV[3], 'rev', ARGV[2])
 if ARGV[4] ~= '' then redis.call('HSET', KEYS[3], ARGV[5], ARGV[4]) end
-if ARGV[6] == '1' then redis.call('HSET', KEYS[4], ARGV[5], 'completed') end
+if ARGV[6] == '1' then
+  redis.call('HSET', KEYS[4], ARGV[5], 'completed')
+  redis.call('PUBLISH', KEYS[4] .. ':' .. ARGV[5], 'completed')
+end
 return 1
 """
 TASK_PADDING = "x" * 600  # about a model-ingest task's size
@@ -139,11 +142,12 @@ def roles(amqp_url: str, redis_url: str, prefix: str) -> Iterator[dict[str, int]
 
 class Driver:
     """Starts skeleton runs and times them, as ``bench/run.py`` times saga's single runs: from the start's
-    publish until a 1 ms poll sees the run finished."""
+    publish until the run's end is announced (subscribed before the start is sent)."""
 
     def __init__(self, amqp_url: str, redis_url: str, prefix: str, timeout_s: float = 30.0) -> None:
         self.amqp_url, self.prefix, self.timeout_s = amqp_url, prefix, timeout_s
         self.redis = aioredis.Redis.from_url(redis_url, decode_responses=True)
+        self._ends = self.redis.pubsub(ignore_subscribe_messages=True)
         self._amqp: tuple[aiormq.abc.AbstractConnection, aiormq.abc.AbstractChannel] | None = None
 
     async def open(self) -> None:
@@ -155,13 +159,19 @@ class Driver:
         assert self._amqp is not None, "open() first"
         channel = self._amqp[1]
         run = uuid.uuid4().hex
-        async with asyncio.timeout(self.timeout_s):
-            started = time.perf_counter()
-            start = json.dumps({"run": run, "stage": "start", "context": {"modelId": run}})
-            await channel.basic_publish(start.encode(), routing_key=SHARD_QUEUE, properties=PERSISTENT)
-            while await self.redis.hget(f"{self.prefix}:finished", run) is None:
-                await asyncio.sleep(0.001)
-            return (time.perf_counter() - started) * 1000
+        ended = f"{self.prefix}:finished:{run}"
+        await self._ends.subscribe(ended)
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                started = time.perf_counter()
+                start = json.dumps({"run": run, "stage": "start", "context": {"modelId": run}})
+                await channel.basic_publish(start.encode(), routing_key=SHARD_QUEUE, properties=PERSISTENT)
+                while True:
+                    message = await self._ends.get_message(ignore_subscribe_messages=True, timeout=None)
+                    if message is not None and message["channel"] == ended:
+                        return (time.perf_counter() - started) * 1000
+        finally:
+            await self._ends.unsubscribe(ended)
 
     async def close(self) -> None:
         """Delete the skeleton's queues and keys (what fails to be deleted goes with the vhost and the
@@ -177,6 +187,8 @@ class Driver:
         with contextlib.suppress(Exception):
             if self._amqp is not None:
                 await self._amqp[0].close()
+        with contextlib.suppress(Exception):
+            await self._ends.aclose()
         await self.redis.aclose()
 
 

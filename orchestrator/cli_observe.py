@@ -12,11 +12,12 @@ import click
 
 from orchestrator import observe, views
 from orchestrator.cli_runtime import _emit, _run, _settings
-from orchestrator.client import REFUSED, WaitTimeout
+from orchestrator.client import WaitTimeout
 from orchestrator.engine.model import RunStatus, StageStatus
 from orchestrator.remote import remote_client
 from orchestrator.settings import Settings, redis_client
 from orchestrator.store import worker_registry
+from orchestrator.store.keys import REFUSED
 from orchestrator.store.redis_store import PlanNotFound, RedisStore
 
 #: ``saga wait`` / ``saga watch``: the run was still going when the timeout passed (it goes on).

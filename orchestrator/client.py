@@ -32,16 +32,20 @@ from orchestrator.engine.plan import Plan, typed_plan
 from orchestrator.errors import SagaError
 from orchestrator.governance.lifecycle import DefinitionNotFound, DefinitionState, VersionRecord, choose
 from orchestrator.governance.store import definition_key, names_key, parse_state
+from orchestrator.run_ends import RunEnds
 from orchestrator.settings import Settings, redis_client
 from orchestrator.store import shardmap_store
-from orchestrator.store.connect import REDIS_ERRORS, sync_client
-from orchestrator.store.keys import ShardKeys, index_key, plan_key, refused_key
+from orchestrator.store.connect import REDIS_ERRORS, is_cluster, sync_client
+from orchestrator.store.keys import REFUSED, ShardKeys, finished_channel, index_key, plan_key, refused_key
 from orchestrator.store.keys import idempotency_key as claim_key
 from orchestrator.store.spec import snapshot_from_record
 from orchestrator.wire import bodies
 from orchestrator.wire.kinds import Kind
 
 RUN_NAMESPACE = uuid.UUID("6f1d2c3e-5a4b-4c8d-9e7f-0a1b2c3d4e5f")
+# How often a wait reads its run at most: the run's end is announced where Redis has pub/sub for the
+# client, so its reads are only for an announcement lost with its subscription; elsewhere they are all
+POLL_ANNOUNCED_S, POLL_UNANNOUNCED_S = 1.0, 0.1
 
 
 class RunNotFound(SagaError):
@@ -290,10 +294,6 @@ def status_document(record: Mapping[str, str]) -> dict[str, Any]:
     }
 
 
-#: The state of a run id whose start the shard refused (no run was created): final, like a failure.
-REFUSED = "refused"
-
-
 def refused_document(run_id: str, record: Mapping[str, str]) -> dict[str, Any]:
     """``saga status --json`` of a run id whose start the shard refused: the same keys, no run."""
     return {
@@ -470,6 +470,7 @@ class Client:
         self._plans = ActivePlans()
         self._connection: aio_pika.abc.AbstractRobustConnection | None = None
         self._publisher: Publisher | None = None
+        self._ends: RunEnds | None = None  # made by the first wait
 
     async def __aenter__(self) -> Client:
         self._connection = connection = await connect_robust(self.settings.amqp_url)
@@ -486,6 +487,8 @@ class Client:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        if self._ends is not None:
+            await self._ends.close()
         if self._publisher is not None:
             await self._publisher.close()
         if self._connection is not None:
@@ -669,21 +672,45 @@ class Client:
         return None
 
     async def wait(self, run_id: str, timeout_s: float = 60.0, poll_s: float = 0.01) -> RunResult:
-        """Wait until the run is completed or failed (finalisers included)."""
+        """Wait until the run is completed or failed (finalisers included), or its start was refused.
+        The run's end is announced (``run_ends.py``), so this returns as soon as it comes; the run is
+        also read every ``poll_s``, growing to 1 s (0.1 s where nothing is announced: a Redis Cluster),
+        for an announcement lost with its subscription."""
         deadline = time.monotonic() + timeout_s
         state = "pending"
-        while time.monotonic() < deadline:
-            try:
-                document = await self.status(run_id)
-            except RunNotFound:
-                document = None  # not created yet: the start is still in flight
-            if document is not None:
-                state = document["state"]
-                if is_final(state):
-                    return RunResult(run_id, state, document["output"], document["reason"])
-            await asyncio.sleep(poll_s)
-            poll_s = min(poll_s * 1.2, 0.1)
-        raise WaitTimeout(run_id, state, timeout_s)
+        ends = self._run_ends()
+        longest = POLL_ANNOUNCED_S if ends.announced else POLL_UNANNOUNCED_S
+        async with ends.watching(run_id) as ended:
+            while True:
+                try:
+                    document = await self.status(run_id)
+                except RunNotFound:
+                    document = None  # not created yet: the start is still in flight
+                if document is not None:
+                    state = document["state"]
+                    if is_final(state):
+                        return RunResult(run_id, state, document["output"], document["reason"])
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise WaitTimeout(run_id, state, timeout_s)
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(min(poll_s, left)):
+                        await ended.wait()
+                poll_s = min(poll_s * 1.5, longest)
+
+    def _run_ends(self) -> RunEnds:
+        if self._ends is None:
+            self._ends = RunEnds(self.redis, self.settings.key_prefix)
+        return self._ends
+
+
+def _announced(pubsub: Any, seconds: float) -> None:
+    """Block until an announcement comes on ``pubsub``, or for ``seconds``."""
+    until = time.monotonic() + seconds
+    while (left := until - time.monotonic()) > 0:
+        # None also for a subscription's own confirmation: then it waits on
+        if pubsub.get_message(ignore_subscribe_messages=True, timeout=left) is not None:
+            return
 
 
 class SyncClient:
@@ -808,16 +835,32 @@ class SyncClient:
         raise RunNotFound(run_id)
 
     def wait(self, run_id: str, timeout_s: float = 60.0, poll_s: float = 0.01) -> RunResult:
+        """:meth:`Client.wait`, blocking: subscribed to the run's end (on a connection of its own) before
+        it first reads the run, and reading it again at least every ``poll_s`` (growing to 1 s; 0.1 s
+        where nothing is announced)."""
         deadline = time.monotonic() + timeout_s
         state = "pending"
-        while time.monotonic() < deadline:
-            try:
-                document = self.status(run_id)
-                state = document["state"]
-                if is_final(state):
-                    return RunResult(run_id, state, document["output"], document["reason"])
-            except RunNotFound:
-                pass
-            time.sleep(poll_s)
-            poll_s = min(poll_s * 1.2, 0.1)
-        raise WaitTimeout(run_id, state, timeout_s)
+        announced = not is_cluster(self.redis)
+        longest = POLL_ANNOUNCED_S if announced else POLL_UNANNOUNCED_S
+        with contextlib.ExitStack() as stack:
+            pubsub = None
+            if announced:
+                pubsub = stack.enter_context(self.redis.pubsub(ignore_subscribe_messages=True))  # type: ignore[no-untyped-call]
+            if pubsub is not None:
+                pubsub.subscribe(finished_channel(self.settings.key_prefix, run_id))
+            while True:
+                try:
+                    document = self.status(run_id)
+                    state = document["state"]
+                    if is_final(state):
+                        return RunResult(run_id, state, document["output"], document["reason"])
+                except RunNotFound:
+                    pass
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise WaitTimeout(run_id, state, timeout_s)
+                if pubsub is None:
+                    time.sleep(min(poll_s, left))
+                else:
+                    _announced(pubsub, min(poll_s, left))
+                poll_s = min(poll_s * 1.5, longest)

@@ -91,6 +91,16 @@ def refused_key(prefix: str, run_id: str) -> str:
     return f"{prefix}:refused:{{{run_id}}}"
 
 
+#: The state of a run id whose start the shard refused (no run was created): final, like a failure.
+REFUSED = "refused"
+
+
+def finished_channel(prefix: str, run_id: str) -> str:
+    """The pub/sub channel a run's end is announced on (its final status; ``refused`` for a start that
+    created no run), for whoever waits for it: a channel, not a key, so it has no slot."""
+    return f"{prefix}:finished:{run_id}"
+
+
 def plan_key(prefix: str, digest: str) -> str:
     return f"{prefix}:{{plans}}:plan:{digest}"
 

@@ -29,7 +29,7 @@ from orchestrator.errors import SagaError
 from orchestrator.governance.store import digests_key, parse_digest_info
 from orchestrator.store.connect import is_cluster, load_function_library
 from orchestrator.store.facets import changes_status, index_spec
-from orchestrator.store.keys import ShardKeys, index_key, plan_key, refused_key
+from orchestrator.store.keys import REFUSED, ShardKeys, finished_channel, index_key, plan_key, refused_key
 from orchestrator.store.lane import Command, Lane
 from orchestrator.store.replies import APPLIED, Reply
 from orchestrator.trace import TRACE
@@ -117,6 +117,9 @@ class RedisStore:
 
     def __post_init__(self) -> None:
         self._lane = Lane(self.client) if self.direct and not is_cluster(self.client) else None
+        # A run's end is announced where waiting clients can subscribe: redis-py's asyncio cluster client
+        # has no pub/sub, so on a Redis Cluster they poll and nothing is announced.
+        self._announces = not is_cluster(self.client)
 
     def keys(self, shard: str) -> ShardKeys:
         return ShardKeys(self.prefix, shard)
@@ -300,6 +303,8 @@ class RedisStore:
             bags=plan.bags,
         )
         keys = self._keys_of(shard, run_id, plan)
+        if decision.finished and self._announces:
+            spec.body["finished"] = finished_channel(self.prefix, run_id)
         if changes_status(decision):
             spec.body["index"], facets = index_spec(
                 self.keys(shard), run_id, plan.name, plan.version, len(keys) + 1
@@ -327,6 +332,8 @@ class RedisStore:
     async def poison(self, shard: str, run_id: str, message_id: str, error: str, now_ms: int) -> Reply:
         """Mark the run a poison message names failed (lua/poison.lua); returns the Lua code."""
         spec = poison_spec(message_id, error, now_ms)
+        if self._announces:
+            spec.body["finished"] = finished_channel(self.prefix, run_id)
         keys = self.keys(shard).transition_keys(run_id, [])
         definition, version = await self.client.hmget(self.keys(shard).run(run_id), ["definition", "version"])  # type: ignore[misc]
         if definition is not None and version is not None:  # the run's listing indexes follow its status
@@ -476,6 +483,8 @@ class RedisStore:
             pipe.hset(key, mapping=fields)
             pipe.pexpire(key, self.retention_ms)
             await pipe.execute()
+        if self._announces:
+            await self.client.publish(finished_channel(self.prefix, run_id), REFUSED)
 
 
 def set_bits(octets: list[int]) -> frozenset[str]:

@@ -167,7 +167,17 @@ local function trim_indexes(keys, spec, bound)
   end
 end
 
+-- A run that reached its final status announces it on spec.finished (a pub/sub channel; absent where
+-- nobody can subscribe), so that a client waiting for the run learns of its end at once, not at its
+-- next poll.
+local function announce(keys, spec)
+  if not is_null(spec.finished) then
+    redis.call('PUBLISH', spec.finished, redis.call('HGET', keys[1], 'status') or '')
+  end
+end
+
 local function finish(keys, spec)
+  announce(keys, spec)
   if spec.expire_ms > 0 then
     -- the listing forgets runs whose records have expired
     local bound = '(' .. (spec.at - spec.expire_ms)

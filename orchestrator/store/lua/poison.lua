@@ -24,6 +24,7 @@ local function saga_poison(keys, args)
   count_live(keys, status, 'failed')
   index_status(keys, spec, status, 'failed')
   append_history(keys[2], {{'run.failed', '', '', cjson.encode({reason = spec.reason})}}, spec.at)
+  announce(keys, spec)
   return {APPLIED, spec.mid}
 end
 redis.register_function('saga_poison', saga_poison)

@@ -1,0 +1,145 @@
+"""A run's end is announced to whoever waits for it (``orchestrator/run_ends.py``): ``Client.wait`` and
+``SyncClient.wait`` return at the announcement, not at their next read of the run, for a run that
+completes, a start the shard refuses and a run a poison message fails; a subscription whose connection
+Redis dropped is restored before the run ends.
+
+Each wait here reads its run only every ``NO_POLL_S`` (longer than its timeout), and once more at its
+deadline: without an announcement it sits out its whole timeout (a minute) before that last read, which
+the tests tell from a return within half of it (the runs take well under a second).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import redis.asyncio as aioredis
+
+from orchestrator.bus.envelope import Signer
+from orchestrator.client import Client, RunResult, SyncClient, start_envelope
+from orchestrator.settings import DEVELOPMENT_SIGNING_KEY
+from orchestrator.shard.processor import Processor
+from orchestrator.store.keys import finished_channel
+from orchestrator.store.redis_store import RedisStore
+from tests.conftest import DEFINITIONS, compile_yaml
+from tests.integration.stack import Stack, publish_active, running
+
+pytestmark = pytest.mark.services
+
+NO_POLL_S = 600.0
+TIMEOUT_S = 60.0
+UNKNOWN_DIGEST = "sha256:" + "0" * 64
+
+
+@pytest.fixture(scope="module")
+def stack() -> Iterator[Stack]:
+    with running("run-ends") as s:
+        yield s
+
+
+async def _announced_wait(client: Client, run_id: str) -> RunResult:
+    began = time.monotonic()
+    result = await client.wait(run_id, timeout_s=TIMEOUT_S, poll_s=NO_POLL_S)
+    assert time.monotonic() - began < TIMEOUT_S / 2, "the wait sat out its timeout: nothing announced the end"
+    return result
+
+
+def _forged_start(stack: Stack, run_id: str) -> None:
+    """A signed start of a plan that was never published: the shard refuses it (no run is created)."""
+    envelope = start_envelope(stack.signer, run_id, "model-ingest", UNKNOWN_DIGEST, {"modelId": run_id})
+    stack.publish_envelope(envelope, stack.settings.names().start_exchange("fast"), run_id)
+
+
+async def _pubsub_port(client: Client) -> int:
+    ends = client._run_ends()
+    assert ends._pubsub is not None and ends._pubsub.connection is not None
+    return int(ends._pubsub.connection._writer.get_extra_info("sockname")[1])  # type: ignore[union-attr]
+
+
+def test_a_wait_returns_at_the_announcement_of_the_runs_end(stack: Stack) -> None:
+    async def main() -> None:
+        async with Client(stack.settings) as client:
+            run_id = await client.start("model-ingest", {"modelId": "announced"})
+            assert (await _announced_wait(client, run_id)).state == "completed"
+            assert client._run_ends()._waiting == {}  # unsubscribed once it returned
+
+    asyncio.run(main())
+
+
+def test_a_blocking_wait_returns_at_the_announcement_too(stack: Stack) -> None:
+    client = SyncClient(stack.settings)
+    try:
+        run_id = client.start("model-ingest", {"modelId": "announced-sync"})
+        began = time.monotonic()
+        assert client.wait(run_id, timeout_s=TIMEOUT_S, poll_s=NO_POLL_S).state == "completed"
+        assert time.monotonic() - began < TIMEOUT_S / 2, "the wait sat out its timeout: nothing announced"
+    finally:
+        client.close()
+
+
+def test_a_refused_start_is_announced_to_a_wait_that_began_before_it(stack: Stack) -> None:
+    async def main() -> None:
+        async with Client(stack.settings) as client:
+            run_id = f"refused-{uuid.uuid4().hex[:8]}"
+            waiting = asyncio.create_task(_announced_wait(client, run_id))
+            await asyncio.sleep(0.5)  # subscribed, and its first read found no run
+            assert not waiting.done()
+            await asyncio.to_thread(_forged_start, stack, run_id)
+            result = await waiting
+            assert result.state == "refused" and UNKNOWN_DIGEST in (result.reason or "")
+
+    asyncio.run(main())
+
+
+def test_a_subscription_redis_dropped_is_restored_before_the_run_ends(stack: Stack) -> None:
+    async def main() -> None:
+        async with Client(stack.settings) as client:
+            run_id = f"dropped-{uuid.uuid4().hex[:8]}"
+            waiting = asyncio.create_task(_announced_wait(client, run_id))
+            await asyncio.sleep(0.5)
+            port = await _pubsub_port(client)
+            admin = aioredis.Redis.from_url(stack.settings.redis_url, decode_responses=True)
+            try:
+                assert await admin.client_kill_filter(addr=f"127.0.0.1:{port}") == 1
+            finally:
+                await admin.aclose()
+            await asyncio.sleep(1.5)  # the reader meets the closed connection, reconnects, subscribes again
+            assert not waiting.done()
+            await asyncio.to_thread(_forged_start, stack, run_id)
+            assert (await waiting).state == "refused"
+            assert await _pubsub_port(client) != port
+
+    asyncio.run(main())
+
+
+def test_a_run_failed_by_a_poison_message_is_announced() -> None:
+    prefix = f"t{uuid.uuid4().hex}"
+    signer = Signer.from_settings((DEVELOPMENT_SIGNING_KEY,))
+
+    async def main() -> None:
+        client = aioredis.Redis.from_url("redis://127.0.0.1:6379/0", decode_responses=True)
+        store = RedisStore(client, prefix=prefix)
+        ends = client.pubsub(ignore_subscribe_messages=True)
+        try:
+            await store.load_library()
+            plan = compile_yaml((DEFINITIONS / "model-ingest.yaml").read_text())
+            await publish_active(store, plan)
+            start = start_envelope(signer, "poisoned", "model-ingest", plan.digest, {"modelId": "p"})
+            await Processor(store, lambda: int(time.time() * 1000)).handle_batch("fast.0", [start])
+            await ends.subscribe(finished_channel(prefix, "poisoned"))
+            assert await store.poison("fast.0", "poisoned", "poison-1", "test", int(time.time() * 1000)) == 0
+            async with asyncio.timeout(TIMEOUT_S):
+                message = None
+                while message is None:  # None too for the subscription's own confirmation
+                    message = await ends.get_message(ignore_subscribe_messages=True, timeout=1.0)
+            assert message["data"] == "failed"
+        finally:
+            await ends.aclose()
+            async for key in client.scan_iter(match=f"{prefix}:*"):
+                await client.delete(key)
+            await client.aclose()
+
+    asyncio.run(main())
