@@ -32,7 +32,7 @@ from orchestrator.engine.plan import Plan, typed_plan
 from orchestrator.errors import SagaError
 from orchestrator.governance.lifecycle import DefinitionNotFound, DefinitionState, VersionRecord, choose
 from orchestrator.governance.store import definition_key, names_key, parse_state
-from orchestrator.run_ends import RunEnds
+from orchestrator.run_ends import Ending, RunEnds, parse_ending
 from orchestrator.settings import Settings, redis_client
 from orchestrator.store import shardmap_store
 from orchestrator.store.connect import REDIS_ERRORS, is_cluster, sync_client
@@ -680,8 +680,11 @@ class Client:
         state = "pending"
         ends = self._run_ends()
         longest = POLL_ANNOUNCED_S if ends.announced else POLL_UNANNOUNCED_S
-        async with ends.watching(run_id) as ended:
+        async with ends.watching(run_id) as watch:
             while True:
+                ending = watch.ending
+                if ending is not None and is_final(ending.state):  # announced: no need to read the run
+                    return RunResult(run_id, ending.state, ending.output, ending.reason)
                 try:
                     document = await self.status(run_id)
                 except RunNotFound:
@@ -695,7 +698,7 @@ class Client:
                     raise WaitTimeout(run_id, state, timeout_s)
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(min(poll_s, left)):
-                        await ended.wait()
+                        await watch.ended.wait()
                 poll_s = min(poll_s * 1.5, longest)
 
     def _run_ends(self) -> RunEnds:
@@ -704,13 +707,16 @@ class Client:
         return self._ends
 
 
-def _announced(pubsub: Any, seconds: float) -> None:
-    """Block until an announcement comes on ``pubsub``, or for ``seconds``."""
+def _announced(pubsub: Any, seconds: float) -> Ending | None:
+    """The ending announced on ``pubsub``, blocking until it comes or for ``seconds`` (None: none came,
+    or it did not parse)."""
     until = time.monotonic() + seconds
     while (left := until - time.monotonic()) > 0:
         # None also for a subscription's own confirmation: then it waits on
-        if pubsub.get_message(ignore_subscribe_messages=True, timeout=left) is not None:
-            return
+        message = pubsub.get_message(ignore_subscribe_messages=True, timeout=left)
+        if message is not None:
+            return parse_ending(message.get("data"))
+    return None
 
 
 class SyncClient:
@@ -848,7 +854,10 @@ class SyncClient:
                 pubsub = stack.enter_context(self.redis.pubsub(ignore_subscribe_messages=True))  # type: ignore[no-untyped-call]
             if pubsub is not None:
                 pubsub.subscribe(finished_channel(self.settings.key_prefix, run_id))
+            ending: Ending | None = None
             while True:
+                if ending is not None and is_final(ending.state):  # announced: no need to read the run
+                    return RunResult(run_id, ending.state, ending.output, ending.reason)
                 try:
                     document = self.status(run_id)
                     state = document["state"]
@@ -862,5 +871,5 @@ class SyncClient:
                 if pubsub is None:
                     time.sleep(min(poll_s, left))
                 else:
-                    _announced(pubsub, min(poll_s, left))
+                    ending = _announced(pubsub, min(poll_s, left))
                 poll_s = min(poll_s * 1.5, longest)

@@ -96,8 +96,9 @@ REFUSED = "refused"
 
 
 def finished_channel(prefix: str, run_id: str) -> str:
-    """The pub/sub channel a run's end is announced on (its final status; ``refused`` for a start that
-    created no run), for whoever waits for it: a channel, not a key, so it has no slot."""
+    """The pub/sub channel a run's end is announced on, for whoever waits for it: JSON of its final
+    ``state`` (``refused`` for a start that created no run), and its ``output`` (JSON text) and
+    ``reason`` where it has them. A channel, not a key: it has no slot."""
     return f"{prefix}:finished:{run_id}"
 
 

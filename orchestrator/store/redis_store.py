@@ -484,7 +484,8 @@ class RedisStore:
             pipe.pexpire(key, self.retention_ms)
             await pipe.execute()
         if self._announces:
-            await self.client.publish(finished_channel(self.prefix, run_id), REFUSED)
+            ending = json.dumps({"state": REFUSED, "reason": why})
+            await self.client.publish(finished_channel(self.prefix, run_id), ending)
 
 
 def set_bits(octets: list[int]) -> frozenset[str]:

@@ -20,6 +20,7 @@ import redis.asyncio as aioredis
 
 from orchestrator.bus.envelope import Signer
 from orchestrator.client import Client, RunResult, SyncClient, start_envelope
+from orchestrator.run_ends import parse_ending
 from orchestrator.settings import DEVELOPMENT_SIGNING_KEY
 from orchestrator.shard.processor import Processor
 from orchestrator.store.keys import finished_channel
@@ -63,7 +64,11 @@ def test_a_wait_returns_at_the_announcement_of_the_runs_end(stack: Stack) -> Non
     async def main() -> None:
         async with Client(stack.settings) as client:
             run_id = await client.start("model-ingest", {"modelId": "announced"})
-            assert (await _announced_wait(client, run_id)).state == "completed"
+            result = await _announced_wait(client, run_id)
+            document = await client.status(run_id)  # what the announcement carried is what the run holds
+            assert document is not None and result.state == "completed" == document["state"]
+            assert result.output == document["output"] and result.output is not None
+            assert result.reason == document["reason"]
             assert client._run_ends()._waiting == {}  # unsubscribed once it returned
 
     asyncio.run(main())
@@ -135,7 +140,8 @@ def test_a_run_failed_by_a_poison_message_is_announced() -> None:
                 message = None
                 while message is None:  # None too for the subscription's own confirmation
                     message = await ends.get_message(ignore_subscribe_messages=True, timeout=1.0)
-            assert message["data"] == "failed"
+            ending = parse_ending(message["data"])
+            assert ending is not None and ending.state == "failed" and "poison-1" in (ending.reason or "")
         finally:
             await ends.aclose()
             async for key in client.scan_iter(match=f"{prefix}:*"):

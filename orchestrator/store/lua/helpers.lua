@@ -168,12 +168,15 @@ local function trim_indexes(keys, spec, bound)
 end
 
 -- A run that reached its final status announces it on spec.finished (a pub/sub channel; absent where
--- nobody can subscribe), so that a client waiting for the run learns of its end at once, not at its
--- next poll.
+-- nobody can subscribe): its status, output (the JSON text the run keeps) and reason, what a client
+-- waiting for the run returns, so that it learns of the end at once and need not read the run again.
 local function announce(keys, spec)
-  if not is_null(spec.finished) then
-    redis.call('PUBLISH', spec.finished, redis.call('HGET', keys[1], 'status') or '')
-  end
+  if is_null(spec.finished) then return end
+  local run = redis.call('HMGET', keys[1], 'status', 'output', 'reason')
+  local ending = {state = run[1] or ''}
+  if run[2] then ending.output = run[2] end
+  if run[3] then ending.reason = run[3] end
+  redis.call('PUBLISH', spec.finished, cjson.encode(ending))
 end
 
 local function finish(keys, spec)
