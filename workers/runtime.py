@@ -271,9 +271,11 @@ class WorkerRuntime:
         # declared through the robust channel, which declares it again (passively) after a reconnect,
         # before the subscription consumes it again
         await channel.declare_queue(layout.queue.name, passive=True)
+        # acked at once when a quarter of the prefetch waits for it (a busy worker), else a moment later
+        prompt_at = max(1, self.concurrency // 4)
         # serial deliveries are acked one by one: a task waiting for the lane must not hold back the ack
         # of one that finished (a coalescer acks only the longest settled run of delivery tags)
-        acks = None if serial else self._coalescers.setdefault(id(channel), AckCoalescer())
+        acks = None if serial else self._coalescers.setdefault(id(channel), AckCoalescer(prompt_at))
         subscription = Subscription(
             channel, layout.queue.name, lambda m: self._spawn(m, publisher, pool, acks, serial=serial)
         )

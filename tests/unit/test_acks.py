@@ -1,4 +1,5 @@
-"""The worker's coalesced acks: only a settled prefix is acked, once per loop turn, per channel."""
+"""The worker's coalesced acks: only a settled prefix is acked, per channel; at once when enough wait for
+it, else a moment later, off the path of the run's next message."""
 
 from __future__ import annotations
 
@@ -108,3 +109,55 @@ def test_nothing_is_acked_on_a_channel_that_closed_before_a_new_one_delivered() 
 
     run(steps)
     assert channel.acks == []
+
+
+def test_a_lone_settled_delivery_is_acked_a_moment_later_not_in_its_own_turn() -> None:
+    channel = FakeChannel()
+    message = delivery(1, channel)
+
+    async def steps() -> None:
+        acks = AckCoalescer(prompt_at=4, linger_s=0.05)
+        acks.delivered(message)
+        acks.settled(message)
+        await asyncio.sleep(0.01)
+        assert channel.acks == []  # lingering
+        await asyncio.sleep(0.1)
+        assert channel.acks == [(1, True)]
+
+    run(steps)
+
+
+def test_enough_settled_deliveries_are_acked_in_their_turn_and_the_linger_is_dropped() -> None:
+    channel = FakeChannel()
+    messages = [delivery(tag, channel) for tag in (1, 2, 3)]
+
+    async def steps() -> None:
+        acks = AckCoalescer(prompt_at=3, linger_s=0.05)
+        for m in messages:
+            acks.delivered(m)
+        acks.settled(messages[0])  # lingers
+        acks.settled(messages[1])
+        acks.settled(messages[2])  # the third: acked at once
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        assert channel.acks == [(3, True)]
+        await asyncio.sleep(0.1)
+        assert channel.acks == [(3, True)]  # nothing more when the dropped linger would have fired
+
+    run(steps)
+
+
+def test_a_drain_acks_at_once_and_drops_the_linger() -> None:
+    channel = FakeChannel()
+    message = delivery(1, channel)
+
+    async def steps() -> None:
+        acks = AckCoalescer(prompt_at=4, linger_s=0.05)
+        acks.delivered(message)
+        acks.settled(message)
+        await acks.flush()
+        assert channel.acks == [(1, True)]
+        await asyncio.sleep(0.1)
+        assert channel.acks == [(1, True)]
+
+    run(steps)
