@@ -312,6 +312,8 @@ class WorkerRuntime:
                     len(running),
                 )
         for future, context in running:
+            if context.cancelled.is_set():
+                continue  # asked before (a request delivered again): one cancellation is taken back
             context.cancelled.set()
             future.cancel()
         for give_up in self._waiting.get(key, {}).values():  # not started yet: they never will
@@ -759,12 +761,15 @@ class WorkerRuntime:
             if context.cancelled.is_set() and (future is not this or this.uncancel() == 0):
                 raise _Cancelled from None
             raise
+        except BaseException:
+            _take_back(future, context)  # a handler that swallowed the request, then failed
+            raise
+        else:
+            _take_back(future, context)  # a handler that swallowed the request: its result stands
         finally:
             running.pop(envelope.message_id, None)
             if not running:
                 self._running.pop(key, None)
-        if future is this and context.cancelled.is_set() and this.cancelling():
-            this.uncancel()  # a handler that swallowed the request's cancellation: its result stands
         return output
 
     def _result(self, task: Envelope, outcome: Outcome) -> bytes:
@@ -917,6 +922,13 @@ class _Spill:
 
 class _Cancelled(Exception):
     """The handler was stopped because the orchestrator asked (not because the worker is stopping)."""
+
+
+def _take_back(future: asyncio.Future[Any], context: TaskContext) -> None:
+    """Take back the cancellation a request made of the delivery's own task (``future``) when its handler
+    swallowed it: what runs after in the task (reporting, settling) must not meet it."""
+    if future is asyncio.current_task() and context.cancelled.is_set() and future.cancelling():
+        future.uncancel()
 
 
 def _in_thread(

@@ -6,6 +6,7 @@ leaves its task as it was before."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 from typing import Any, cast
@@ -135,5 +136,57 @@ def test_a_handler_that_swallows_the_request_keeps_its_result_and_its_task_is_no
         await started.wait()
         await _request(runtime)
         assert await task == ("finished anyway", 0)
+
+    asyncio.run(main())
+
+
+def test_a_request_delivered_twice_still_becomes_the_cancelled_outcome() -> None:
+    async def main() -> None:
+        runtime = _runtime()
+        started = asyncio.Event()
+
+        async def slow(payload: Payload) -> str:
+            started.set()
+            await asyncio.sleep(30)
+            return "done"
+
+        async def delivery() -> int:
+            with pytest.raises(_Cancelled):
+                await _run(runtime, slow)
+            this = asyncio.current_task()
+            assert this is not None
+            return this.cancelling()
+
+        task = asyncio.create_task(delivery())
+        await started.wait()
+        await _request(runtime)
+        await _request(runtime)  # the same request again (its outbox entry re-sent)
+        assert await task == 0
+
+    asyncio.run(main())
+
+
+def test_a_handler_that_swallows_the_request_and_then_fails_leaves_its_task_uncancelled() -> None:
+    async def main() -> None:
+        runtime = _runtime()
+        started = asyncio.Event()
+
+        async def failing(payload: Payload) -> str:
+            started.set()
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.sleep(30)
+            raise ValueError("cleanup failed")
+
+        async def delivery() -> int:
+            with pytest.raises(ValueError, match="cleanup failed"):
+                await _run(runtime, failing)
+            this = asyncio.current_task()
+            assert this is not None
+            return this.cancelling()
+
+        task = asyncio.create_task(delivery())
+        await started.wait()
+        await _request(runtime)
+        assert await task == 0
 
     asyncio.run(main())
