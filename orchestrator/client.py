@@ -16,7 +16,7 @@ import time
 import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import aio_pika
 import pika
@@ -32,7 +32,7 @@ from orchestrator.engine.plan import Plan, typed_plan
 from orchestrator.errors import SagaError
 from orchestrator.governance.lifecycle import DefinitionNotFound, DefinitionState, VersionRecord, choose
 from orchestrator.governance.store import definition_key, names_key, parse_state
-from orchestrator.run_ends import Ending, RunEnds, parse_ending
+from orchestrator.run_ends import CONFIRM_TIMEOUT_S, Ending, RunEnds, parse_ending
 from orchestrator.settings import Settings, redis_client
 from orchestrator.store import shardmap_store
 from orchestrator.store.connect import REDIS_ERRORS, is_cluster, sync_client
@@ -682,8 +682,9 @@ class Client:
         longest = POLL_ANNOUNCED_S if ends.announced else POLL_UNANNOUNCED_S
         async with ends.watching(run_id) as watch:
             while True:
-                ending = watch.ending
-                if ending is not None and is_final(ending.state):  # announced: no need to read the run
+                ending, watch.ending = watch.ending, None
+                watch.ended.clear()
+                if ending is not None:  # announced: no need to read the run
                     return RunResult(run_id, ending.state, ending.output, ending.reason)
                 try:
                     document = await self.status(run_id)
@@ -707,15 +708,14 @@ class Client:
         return self._ends
 
 
-def _announced(pubsub: Any, seconds: float) -> Ending | None:
-    """The ending announced on ``pubsub``, blocking until it comes or for ``seconds`` (None: none came,
-    or it did not parse)."""
+def _next_of(pubsub: Any, kind: str, seconds: float) -> dict[str, Any] | None:
+    """The next message of ``kind`` on ``pubsub`` (a subscription's confirmation, an announcement),
+    blocking until it comes or for ``seconds``."""
     until = time.monotonic() + seconds
     while (left := until - time.monotonic()) > 0:
-        # None also for a subscription's own confirmation: then it waits on
-        message = pubsub.get_message(ignore_subscribe_messages=True, timeout=left)
-        if message is not None:
-            return parse_ending(message.get("data"))
+        message = pubsub.get_message(timeout=left)
+        if message is not None and message.get("type") == kind:
+            return cast(dict[str, Any], message)
     return None
 
 
@@ -851,12 +851,12 @@ class SyncClient:
         with contextlib.ExitStack() as stack:
             pubsub = None
             if announced:
-                pubsub = stack.enter_context(self.redis.pubsub(ignore_subscribe_messages=True))  # type: ignore[no-untyped-call]
-            if pubsub is not None:
+                pubsub = stack.enter_context(self.redis.pubsub())  # type: ignore[no-untyped-call]
                 pubsub.subscribe(finished_channel(self.settings.key_prefix, run_id))
+                _next_of(pubsub, "subscribe", CONFIRM_TIMEOUT_S)  # before the first read of the run
             ending: Ending | None = None
             while True:
-                if ending is not None and is_final(ending.state):  # announced: no need to read the run
+                if ending is not None:  # announced: no need to read the run
                     return RunResult(run_id, ending.state, ending.output, ending.reason)
                 try:
                     document = self.status(run_id)
@@ -871,5 +871,6 @@ class SyncClient:
                 if pubsub is None:
                     time.sleep(min(poll_s, left))
                 else:
-                    ending = _announced(pubsub, min(poll_s, left))
+                    message = _next_of(pubsub, "message", min(poll_s, left))
+                    ending = parse_ending(message.get("data")) if message is not None else None
                 poll_s = min(poll_s * 1.5, longest)

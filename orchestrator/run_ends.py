@@ -22,8 +22,9 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.asyncio.client import PubSub
 
+from orchestrator.engine.model import TERMINAL_RUN_STATUSES
 from orchestrator.store.connect import REDIS_ERRORS, is_cluster
-from orchestrator.store.keys import finished_channel
+from orchestrator.store.keys import REFUSED, finished_channel
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +33,9 @@ log = logging.getLogger(__name__)
 LOST: tuple[type[Exception], ...] = (*REDIS_ERRORS, OSError, RuntimeError)
 READ_TIMEOUT_S = 1.0  # the reader's longest block: it notices being closed at least this often
 RETRY_S = 0.5  # after the subscription's connection failed, before reading again
+READ_LOST: tuple[type[Exception], ...] = (*REDIS_ERRORS, OSError)  # a read on a lost connection
+CONFIRM_TIMEOUT_S = 2.0  # a wait goes on by reading its run when its subscription is not confirmed by then
+FINAL_STATES = frozenset({*(status.value for status in TERMINAL_RUN_STATUSES), REFUSED})
 
 
 @dataclass(frozen=True)
@@ -44,10 +48,12 @@ class Ending:
 
 
 def parse_ending(data: object) -> Ending | None:
-    """The ending an announcement carries; None for one that does not parse (then the waiter reads the
-    run itself)."""
+    """The ending an announcement carries; None for one that does not parse, names no final state or
+    leaves a large output out (then the waiter reads the run itself)."""
     try:
         fields = json.loads(data if isinstance(data, str | bytes) else "")
+        if fields.get("output_omitted") or fields["state"] not in FINAL_STATES:
+            return None
         output = fields.get("output")
         return Ending(str(fields["state"]), json.loads(output) if output else None, fields.get("reason"))
     except (ValueError, KeyError, TypeError, AttributeError):
@@ -61,6 +67,7 @@ class Watch:
 
     ended: asyncio.Event = field(default_factory=asyncio.Event)
     ending: Ending | None = None
+    subscribed: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 class RunEnds:
@@ -71,11 +78,16 @@ class RunEnds:
         self._pubsub: PubSub | None = None
         self._reader: asyncio.Task[None] | None = None
         self._waiting: dict[str, list[Watch]] = {}
+        self._confirmed: set[str] = set()  # channels Redis confirmed the subscription of
+        # one subscribe or unsubscribe at a time: redis-py's PubSub connects on its first command, and two
+        # first commands at once would each take a connection of their own
+        self._lock = asyncio.Lock()
 
     @contextlib.asynccontextmanager
     async def watching(self, run_id: str) -> AsyncIterator[Watch]:
-        """What run ``run_id``'s end announces, once it does (never where nothing is announced). Enter it
-        before reading the run: an end announced between the read and the wait is not lost."""
+        """What run ``run_id``'s end announces, once it does (never where nothing is announced). Returns
+        once Redis has confirmed the subscription (or after ``CONFIRM_TIMEOUT_S``): a read of the run
+        made after it sees an end that was not announced to this wait."""
         watch = Watch()
         channel = finished_channel(self._prefix, run_id)
         if not self.announced:
@@ -84,41 +96,75 @@ class RunEnds:
         waiters = self._waiting.setdefault(channel, [])
         waiters.append(watch)
         try:
-            if len(waiters) == 1:
+            if channel in self._confirmed:
+                watch.subscribed.set()
+            elif len(waiters) == 1:
                 await self._subscribe(channel)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(CONFIRM_TIMEOUT_S):
+                    await watch.subscribed.wait()
             yield watch
         finally:
             waiters.remove(watch)
             if not waiters:
                 del self._waiting[channel]
-                if self._pubsub is not None:
-                    with contextlib.suppress(*LOST):
-                        await self._pubsub.unsubscribe(channel)
+                await self._unsubscribe(channel)
 
     async def _subscribe(self, channel: str) -> None:
-        if self._pubsub is None:
-            self._pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
-        try:
-            await self._pubsub.subscribe(channel)
-        except LOST as exc:  # the waiter's own reads still see the end
-            log.warning("could not subscribe to %s (%s); waiting by reading the run", channel, exc)
-            return
-        if self._reader is None:  # started once the subscription has its connection
-            self._reader = asyncio.create_task(self._read(self._pubsub))
+        async with self._lock:
+            if self._pubsub is None:
+                self._pubsub = self._redis.pubsub()
+            try:
+                await self._pubsub.subscribe(channel)
+            except LOST as exc:  # the waiter's own reads still see the end
+                log.warning("could not subscribe to %s (%s); waiting by reading the run", channel, exc)
+                return
+            if self._reader is None:  # started once the subscription has its connection
+                self._reader = asyncio.create_task(self._read(self._pubsub))
+                self._reader.add_done_callback(self._reader_ended)
+
+    async def _unsubscribe(self, channel: str) -> None:
+        async with self._lock:
+            connection = self._pubsub.connection if self._pubsub is not None else None
+            if self._pubsub is None or connection is None or not connection.is_connected:
+                return  # nothing to leave (Redis gone: redis-py subscribes again only what it still has)
+            with contextlib.suppress(*LOST):
+                await self._pubsub.unsubscribe(channel)
 
     async def _read(self, pubsub: PubSub) -> None:
         while True:
             try:
-                message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=READ_TIMEOUT_S)
-            except LOST as exc:  # redis-py subscribes again once it has reconnected
+                message = await pubsub.get_message(timeout=READ_TIMEOUT_S)
+            except READ_LOST as exc:  # redis-py subscribes again once it has reconnected
                 log.debug("run-end subscription interrupted (%s); reading again", exc)
+                self._confirmed.clear()
                 await asyncio.sleep(RETRY_S)
                 continue
-            if message is not None and message.get("type") == "message":
-                ending = parse_ending(message.get("data"))
-                for watch in self._waiting.get(str(message["channel"]), ()):
-                    watch.ending = ending
-                    watch.ended.set()
+            if message is not None:
+                await self._take(message)
+
+    async def _take(self, message: dict[str, Any]) -> None:
+        kind, channel = message.get("type"), str(message.get("channel"))
+        watches = self._waiting.get(channel, [])
+        if kind == "subscribe":
+            self._confirmed.add(channel)
+            for watch in watches:
+                watch.subscribed.set()
+        elif kind == "unsubscribe":
+            self._confirmed.discard(channel)
+        elif kind == "message":
+            if not watches:  # subscribed again after a reconnect, though its waiters had left
+                await self._unsubscribe(channel)
+            ending = parse_ending(message.get("data"))
+            for watch in watches:
+                watch.ending = ending
+                watch.ended.set()
+
+    def _reader_ended(self, reader: asyncio.Task[None]) -> None:
+        """A reader that died of a surprise is logged, and the next subscription starts another."""
+        self._reader = None
+        if not reader.cancelled() and reader.exception() is not None:
+            log.error("the run-end reader stopped; waits read their runs", exc_info=reader.exception())
 
     async def close(self) -> None:
         if self._reader is not None:

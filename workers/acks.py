@@ -4,7 +4,8 @@ Tasks finish out of order, but acking each one is a socket write, and writes dom
 Delivery tags are per channel and increase, so once every delivery up to tag N is settled, one
 ``ack(multiple=True)`` on N settles them all. This tracks settled tags and acks the longest settled
 prefix: in the same event-loop turn once ``prompt_at`` deliveries wait for their ack (a busy worker, whose
-acks free its prefetch slots), else ``linger_s`` later. A run's result reaches its shard as its confirm
+acks free its prefetch slots; the runtime makes it a quarter of the prefetch, so a worker with a
+concurrency below 8 acks every turn), else ``linger_s`` later. A run's result reaches its shard as its confirm
 reaches the worker, so an ack sent at once has the broker settle the task (a write to the quorum queue's
 log) and wake again while the shard handles that result and dispatches what follows; a few milliseconds
 later, it is off that path (``bench/ab_latency.py``: about 0.5 ms a model-ingest run, both orders). A task
@@ -60,7 +61,7 @@ class AckCoalescer:
         if self._scheduled:
             return
         loop = asyncio.get_running_loop()
-        if len(self._settled) >= self.prompt_at:
+        if len(self._ack_ready) >= self.prompt_at:
             self._scheduled = True
             if self._lingering is not None:
                 self._lingering.cancel()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -45,6 +46,7 @@ from orchestrator.store.spec import (
     snapshot_from_record,
 )
 
+log = logging.getLogger(__name__)
 LUA_FILES = ("helpers.lua", "create.lua", "transition.lua", "arrive.lua", "mark_sent.lua", "poison.lua")
 
 
@@ -483,9 +485,12 @@ class RedisStore:
             pipe.hset(key, mapping=fields)
             pipe.pexpire(key, self.retention_ms)
             await pipe.execute()
-        if self._announces:
+        if self._announces:  # after the record: a wait that misses this finds the refusal by reading
             ending = json.dumps({"state": REFUSED, "reason": why})
-            await self.client.publish(finished_channel(self.prefix, run_id), ending)
+            try:
+                await self.client.publish(finished_channel(self.prefix, run_id), ending)
+            except ResponseError as exc:  # refused (a user without channel rights): the record stands
+                log.warning("could not announce the refusal of run %s: %s", run_id, exc)
 
 
 def set_bits(octets: list[int]) -> frozenset[str]:

@@ -11,6 +11,8 @@ the tests tell from a return within half of it (the runs take well under a secon
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import time
 import uuid
 from collections.abc import Iterator
@@ -20,7 +22,7 @@ import redis.asyncio as aioredis
 
 from orchestrator.bus.envelope import Signer
 from orchestrator.client import Client, RunResult, SyncClient, start_envelope
-from orchestrator.run_ends import parse_ending
+from orchestrator.run_ends import Ending, RunEnds, parse_ending
 from orchestrator.settings import DEVELOPMENT_SIGNING_KEY
 from orchestrator.shard.processor import Processor
 from orchestrator.store.keys import finished_channel
@@ -147,5 +149,32 @@ def test_a_run_failed_by_a_poison_message_is_announced() -> None:
             async for key in client.scan_iter(match=f"{prefix}:*"):
                 await client.delete(key)
             await client.aclose()
+
+    asyncio.run(main())
+
+
+def test_waits_begun_together_share_one_subscription_connection_and_each_hears_its_end() -> None:
+    prefix = f"t{uuid.uuid4().hex}"
+    name = f"run-ends-{uuid.uuid4().hex[:8]}"  # every connection of this client carries it
+
+    async def main() -> None:
+        redis = aioredis.Redis.from_url("redis://127.0.0.1:6379/0", decode_responses=True, client_name=name)
+        ends = RunEnds(redis, prefix)
+        try:
+            async with contextlib.AsyncExitStack() as stack:
+                runs = [f"run-{i}" for i in range(5)]
+                watches = await asyncio.gather(*(stack.enter_async_context(ends.watching(r)) for r in runs))
+                mine = [c for c in await redis.client_list() if c.get("name") == name]
+                subscribed = [c for c in mine if int(c.get("sub", 0)) > 0]
+                assert len(subscribed) == 1 and int(subscribed[0]["sub"]) == len(runs)
+                for i, run in enumerate(runs):
+                    ending = json.dumps({"state": "completed", "output": json.dumps({"n": i})})
+                    await redis.publish(finished_channel(prefix, run), ending)
+                async with asyncio.timeout(TIMEOUT_S):
+                    await asyncio.gather(*(watch.ended.wait() for watch in watches))
+                assert [w.ending for w in watches] == [Ending("completed", {"n": i}) for i in range(5)]
+        finally:
+            await ends.close()
+            await redis.aclose()
 
     asyncio.run(main())

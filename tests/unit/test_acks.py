@@ -116,12 +116,13 @@ def test_a_lone_settled_delivery_is_acked_a_moment_later_not_in_its_own_turn() -
     message = delivery(1, channel)
 
     async def steps() -> None:
-        acks = AckCoalescer(prompt_at=4, linger_s=0.05)
+        acks = AckCoalescer(prompt_at=4, linger_s=0.2)
         acks.delivered(message)
         acks.settled(message)
-        await asyncio.sleep(0.01)
+        for _ in range(3):
+            await asyncio.sleep(0)
         assert channel.acks == []  # lingering
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(0.5)
         assert channel.acks == [(1, True)]
 
     run(steps)
@@ -132,7 +133,7 @@ def test_enough_settled_deliveries_are_acked_in_their_turn_and_the_linger_is_dro
     messages = [delivery(tag, channel) for tag in (1, 2, 3)]
 
     async def steps() -> None:
-        acks = AckCoalescer(prompt_at=3, linger_s=0.05)
+        acks = AckCoalescer(prompt_at=3, linger_s=0.2)
         for m in messages:
             acks.delivered(m)
         acks.settled(messages[0])  # lingers
@@ -141,7 +142,7 @@ def test_enough_settled_deliveries_are_acked_in_their_turn_and_the_linger_is_dro
         await asyncio.sleep(0)
         await asyncio.sleep(0)
         assert channel.acks == [(3, True)]
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(0.5)
         assert channel.acks == [(3, True)]  # nothing more when the dropped linger would have fired
 
     run(steps)
@@ -152,12 +153,12 @@ def test_a_drain_acks_at_once_and_drops_the_linger() -> None:
     message = delivery(1, channel)
 
     async def steps() -> None:
-        acks = AckCoalescer(prompt_at=4, linger_s=0.05)
+        acks = AckCoalescer(prompt_at=4, linger_s=0.2)
         acks.delivered(message)
         acks.settled(message)
         await acks.flush()
         assert channel.acks == [(1, True)]
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(0.5)
         assert channel.acks == [(1, True)]
 
     run(steps)

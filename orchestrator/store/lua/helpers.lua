@@ -170,17 +170,22 @@ end
 -- A run that reached its final status announces it on spec.finished (a pub/sub channel; absent where
 -- nobody can subscribe): its status, output (the JSON text the run keeps) and reason, what a client
 -- waiting for the run returns, so that it learns of the end at once and need not read the run again.
+-- An output over 64 KiB is left out (the waiter reads the run): every subscriber's buffer holds it.
+-- Called after every write: a PUBLISH refused (a user without channel rights) must not fail a
+-- transition whose writes are made, so its error is ignored (pcall) and waits find the end by reading.
+local ANNOUNCED_OUTPUT_BYTES = 65536
 local function announce(keys, spec)
   if is_null(spec.finished) then return end
   local run = redis.call('HMGET', keys[1], 'status', 'output', 'reason')
   local ending = {state = run[1] or ''}
-  if run[2] then ending.output = run[2] end
+  if run[2] then
+    if #run[2] <= ANNOUNCED_OUTPUT_BYTES then ending.output = run[2] else ending.output_omitted = true end
+  end
   if run[3] then ending.reason = run[3] end
-  redis.call('PUBLISH', spec.finished, cjson.encode(ending))
+  redis.pcall('PUBLISH', spec.finished, cjson.encode(ending))
 end
 
 local function finish(keys, spec)
-  announce(keys, spec)
   if spec.expire_ms > 0 then
     -- the listing forgets runs whose records have expired
     local bound = '(' .. (spec.at - spec.expire_ms)
@@ -190,6 +195,7 @@ local function finish(keys, spec)
       if not is_shard_key(i, spec) then redis.call('PEXPIRE', keys[i], spec.expire_ms) end
     end
   end
+  announce(keys, spec)
 end
 
 -- Every write of an accepted transition but its history, after all its checks passed; before is the
