@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import hashlib
 import json
+import logging
 import time
 import uuid
 from collections.abc import Iterable, Mapping
@@ -22,6 +23,7 @@ import aio_pika
 import pika
 import pika.exceptions
 from pika.adapters.blocking_connection import BlockingChannel
+from redis.exceptions import ResponseError
 
 from orchestrator.bus.connect import blocking_parameters, connect_robust, untracked_channel
 from orchestrator.bus.envelope import Envelope, Signer, encode
@@ -42,6 +44,7 @@ from orchestrator.store.spec import snapshot_from_record
 from orchestrator.wire import bodies
 from orchestrator.wire.kinds import Kind
 
+log = logging.getLogger(__name__)
 RUN_NAMESPACE = uuid.UUID("6f1d2c3e-5a4b-4c8d-9e7f-0a1b2c3d4e5f")
 # How often a wait reads its run at most: the run's end is announced where Redis has pub/sub for the
 # client, so its reads are only for an announcement lost with its subscription; elsewhere they are all
@@ -852,8 +855,12 @@ class SyncClient:
             pubsub = None
             if announced:
                 pubsub = stack.enter_context(self.redis.pubsub())  # type: ignore[no-untyped-call]
-                pubsub.subscribe(finished_channel(self.settings.key_prefix, run_id))
-                _next_of(pubsub, "subscribe", CONFIRM_TIMEOUT_S)  # before the first read of the run
+                try:
+                    pubsub.subscribe(finished_channel(self.settings.key_prefix, run_id))
+                    _next_of(pubsub, "subscribe", CONFIRM_TIMEOUT_S)  # before the first read of the run
+                except ResponseError as exc:  # refused (a user without channel rights): read the run
+                    log.warning("could not subscribe to the end of run %s (%s); reading it", run_id, exc)
+                    pubsub, longest = None, POLL_UNANNOUNCED_S
             ending: Ending | None = None
             while True:
                 if ending is not None:  # announced: no need to read the run

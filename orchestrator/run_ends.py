@@ -21,6 +21,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 from redis.asyncio.client import PubSub
+from redis.exceptions import ResponseError
 
 from orchestrator.engine.model import TERMINAL_RUN_STATUSES
 from orchestrator.store.connect import REDIS_ERRORS, is_cluster
@@ -67,7 +68,15 @@ class Watch:
 
     ended: asyncio.Event = field(default_factory=asyncio.Event)
     ending: Ending | None = None
-    subscribed: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+@dataclass
+class _Channel:
+    """A run's channel while anyone waits on it: its watches, and whether Redis has confirmed the
+    subscription (cleared when the connection is made again: redis-py subscribes anew)."""
+
+    watches: list[Watch] = field(default_factory=list)
+    confirmed: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 class RunEnds:
@@ -77,88 +86,111 @@ class RunEnds:
         self.announced = not is_cluster(redis)
         self._pubsub: PubSub | None = None
         self._reader: asyncio.Task[None] | None = None
-        self._waiting: dict[str, list[Watch]] = {}
-        self._confirmed: set[str] = set()  # channels Redis confirmed the subscription of
+        self._channels: dict[str, _Channel] = {}
         # one subscribe or unsubscribe at a time: redis-py's PubSub connects on its first command, and two
         # first commands at once would each take a connection of their own
         self._lock = asyncio.Lock()
+        self._watching_connects = False
 
     @contextlib.asynccontextmanager
     async def watching(self, run_id: str) -> AsyncIterator[Watch]:
         """What run ``run_id``'s end announces, once it does (never where nothing is announced). Returns
-        once Redis has confirmed the subscription (or after ``CONFIRM_TIMEOUT_S``): a read of the run
-        made after it sees an end that was not announced to this wait."""
+        once Redis has confirmed the subscription (or after ``CONFIRM_TIMEOUT_S``, or at once if it
+        cannot subscribe): a read of the run made after it sees an end that was not announced to it."""
         watch = Watch()
-        channel = finished_channel(self._prefix, run_id)
+        name = finished_channel(self._prefix, run_id)
         if not self.announced:
             yield watch
             return
-        waiters = self._waiting.setdefault(channel, [])
-        waiters.append(watch)
+        channel = self._channels.setdefault(name, _Channel())
+        channel.watches.append(watch)
         try:
-            if channel in self._confirmed:
-                watch.subscribed.set()
-            elif len(waiters) == 1:
-                await self._subscribe(channel)
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(CONFIRM_TIMEOUT_S):
-                    await watch.subscribed.wait()
+            if not channel.confirmed.is_set():
+                # every waiter of a channel not confirmed subscribes (Redis takes a repeated SUBSCRIBE
+                # as one): a first waiter that gave up must not leave the others unsubscribed
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(CONFIRM_TIMEOUT_S):
+                        if await self._subscribe(name):
+                            await channel.confirmed.wait()
             yield watch
         finally:
-            waiters.remove(watch)
-            if not waiters:
-                del self._waiting[channel]
-                await self._unsubscribe(channel)
+            channel.watches.remove(watch)
+            if not channel.watches:
+                del self._channels[name]
+                await self._unsubscribe(name)
 
-    async def _subscribe(self, channel: str) -> None:
+    async def _subscribe(self, name: str) -> bool:
+        """Send the subscription; False when it could not be sent (the waiter reads its run)."""
         async with self._lock:
             if self._pubsub is None:
                 self._pubsub = self._redis.pubsub()
             try:
-                await self._pubsub.subscribe(channel)
-            except LOST as exc:  # the waiter's own reads still see the end
-                log.warning("could not subscribe to %s (%s); waiting by reading the run", channel, exc)
-                return
+                await self._pubsub.subscribe(name)
+            except LOST as exc:
+                log.warning("could not subscribe to %s (%s); waiting by reading the run", name, exc)
+                return False
+            connection = self._pubsub.connection
+            if connection is not None and not self._watching_connects:
+                # redis-py subscribes again on every new connection (its own callback, registered first):
+                # the subscriptions are to be confirmed anew
+                connection.register_connect_callback(self._reconnected)
+                self._watching_connects = True
             if self._reader is None:  # started once the subscription has its connection
                 self._reader = asyncio.create_task(self._read(self._pubsub))
                 self._reader.add_done_callback(self._reader_ended)
+            return True
 
-    async def _unsubscribe(self, channel: str) -> None:
+    async def _unsubscribe(self, name: str) -> None:
         async with self._lock:
-            connection = self._pubsub.connection if self._pubsub is not None else None
-            if self._pubsub is None or connection is None or not connection.is_connected:
-                return  # nothing to leave (Redis gone: redis-py subscribes again only what it still has)
+            if name in self._channels:
+                return  # a new waiter came meanwhile: its subscription stands
+            pubsub = self._pubsub
+            connection = pubsub.connection if pubsub is not None else None
+            if pubsub is None or connection is None or not connection.is_connected:
+                return  # nothing to leave (Redis gone: a new connection subscribes only what it still has)
             with contextlib.suppress(*LOST):
-                await self._pubsub.unsubscribe(channel)
+                await pubsub.unsubscribe(name)
+
+    def _reconnected(self, connection: object) -> None:
+        for channel in self._channels.values():
+            channel.confirmed.clear()
 
     async def _read(self, pubsub: PubSub) -> None:
         while True:
             try:
                 message = await pubsub.get_message(timeout=READ_TIMEOUT_S)
+            except ResponseError as exc:  # a subscription refused (a user without channel rights)
+                self._refused(exc)
+                return
             except READ_LOST as exc:  # redis-py subscribes again once it has reconnected
                 log.debug("run-end subscription interrupted (%s); reading again", exc)
-                self._confirmed.clear()
                 await asyncio.sleep(RETRY_S)
                 continue
             if message is not None:
                 await self._take(message)
 
     async def _take(self, message: dict[str, Any]) -> None:
-        kind, channel = message.get("type"), str(message.get("channel"))
-        watches = self._waiting.get(channel, [])
+        kind, name = message.get("type"), str(message.get("channel"))
+        channel = self._channels.get(name)
+        if channel is None:
+            if kind in ("subscribe", "message"):  # subscribed again after a reconnect, its waiters gone
+                await self._unsubscribe(name)
+            return
         if kind == "subscribe":
-            self._confirmed.add(channel)
-            for watch in watches:
-                watch.subscribed.set()
-        elif kind == "unsubscribe":
-            self._confirmed.discard(channel)
+            channel.confirmed.set()
         elif kind == "message":
-            if not watches:  # subscribed again after a reconnect, though its waiters had left
-                await self._unsubscribe(channel)
             ending = parse_ending(message.get("data"))
-            for watch in watches:
+            for watch in channel.watches:
                 watch.ending = ending
                 watch.ended.set()
+
+    def _refused(self, exc: Exception) -> None:
+        """Redis refused a subscription: from now on this client's waits read their runs, as where
+        nothing is announced; those waiting go on at once."""
+        log.warning("Redis refused the run-end subscription (%s); waits read their runs", exc)
+        self.announced = False
+        for channel in self._channels.values():
+            channel.confirmed.set()
 
     def _reader_ended(self, reader: asyncio.Task[None]) -> None:
         """A reader that died of a surprise is logged, and the next subscription starts another."""

@@ -71,7 +71,7 @@ def test_a_wait_returns_at_the_announcement_of_the_runs_end(stack: Stack) -> Non
             assert document is not None and result.state == "completed" == document["state"]
             assert result.output == document["output"] and result.output is not None
             assert result.reason == document["reason"]
-            assert client._run_ends()._waiting == {}  # unsubscribed once it returned
+            assert client._run_ends()._channels == {}  # unsubscribed once it returned
 
     asyncio.run(main())
 
@@ -178,3 +178,65 @@ def test_waits_begun_together_share_one_subscription_connection_and_each_hears_i
             await redis.aclose()
 
     asyncio.run(main())
+
+
+def test_a_wait_begun_as_the_last_one_on_its_run_leaves_is_still_announced_the_end() -> None:
+    prefix = f"t{uuid.uuid4().hex}"
+
+    async def main() -> None:
+        redis = aioredis.Redis.from_url("redis://127.0.0.1:6379/0", decode_responses=True)
+        ends = RunEnds(redis, prefix)
+        try:
+            async with ends.watching("again"):
+                pass  # its unsubscribe is sent; the next wait's subscribe follows it on the connection
+            async with ends.watching("again") as watch:
+                await redis.publish(finished_channel(prefix, "again"), json.dumps({"state": "failed"}))
+                async with asyncio.timeout(TIMEOUT_S):
+                    await watch.ended.wait()
+                assert watch.ending == Ending("failed")
+        finally:
+            await ends.close()
+            await redis.aclose()
+
+    asyncio.run(main())
+
+
+@contextlib.contextmanager
+def _user_without_channels() -> Iterator[str]:
+    """A Redis user who may run every command on every key but subscribe to no channel (what Redis 7
+    gives a new user unless told otherwise): its Redis URL."""
+    import redis
+
+    admin = redis.Redis.from_url("redis://127.0.0.1:6379/0")
+    name, password = f"t-ends-{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
+    admin.acl_setuser(name, enabled=True, passwords=[f"+{password}"], keys=["*"], commands=["+@all"])
+    admin.execute_command("ACL", "SETUSER", name, "resetchannels")
+    try:
+        yield f"redis://{name}:{password}@127.0.0.1:6379/0"
+    finally:
+        admin.acl_deluser(name)
+        admin.close()
+
+
+def test_where_subscriptions_are_refused_waits_read_their_runs(stack: Stack) -> None:
+    with _user_without_channels() as url:
+
+        async def main() -> None:
+            redis = aioredis.Redis.from_url(url, decode_responses=True)
+            ends = RunEnds(redis, f"t{uuid.uuid4().hex}")
+            try:
+                async with asyncio.timeout(TIMEOUT_S / 4), ends.watching("refused-here"):
+                    pass
+                assert not ends.announced  # from now on its waits read their runs
+            finally:
+                await ends.close()
+                await redis.aclose()
+
+        asyncio.run(main())
+        with SyncClient(stack.settings) as starting:
+            run_id = starting.start("model-ingest", {"modelId": "unannounced"})
+        blocking = SyncClient(stack.settings.model_copy(update={"redis_url": url}))
+        try:
+            assert blocking.wait(run_id, timeout_s=TIMEOUT_S).state == "completed"
+        finally:
+            blocking.close()
