@@ -111,7 +111,9 @@ def test_nothing_is_acked_on_a_channel_that_closed_before_a_new_one_delivered() 
     assert channel.acks == []
 
 
-def test_a_lone_settled_delivery_is_acked_a_moment_later_not_in_its_own_turn() -> None:
+def _lone(settle_then: Any) -> list[tuple[int, bool]]:
+    """The acks written for one delivery settled on a coalescer that would ack it 0.2 s later, after
+    ``settle_then(acks)``, then after half a second more."""
     channel = FakeChannel()
     message = delivery(1, channel)
 
@@ -119,13 +121,28 @@ def test_a_lone_settled_delivery_is_acked_a_moment_later_not_in_its_own_turn() -
         acks = AckCoalescer(prompt_at=4, linger_s=0.2)
         acks.delivered(message)
         acks.settled(message)
+        await settle_then(acks, channel)
+        await asyncio.sleep(0.5)
+
+    run(steps)
+    return channel.acks
+
+
+def test_a_lone_settled_delivery_is_acked_a_moment_later_not_in_its_own_turn() -> None:
+    async def early(acks: AckCoalescer, channel: FakeChannel) -> None:
         for _ in range(3):
             await asyncio.sleep(0)
         assert channel.acks == []  # lingering
-        await asyncio.sleep(0.5)
+
+    assert _lone(early) == [(1, True)]
+
+
+def test_a_drain_acks_at_once_and_drops_the_linger() -> None:
+    async def drained(acks: AckCoalescer, channel: FakeChannel) -> None:
+        await acks.flush()
         assert channel.acks == [(1, True)]
 
-    run(steps)
+    assert _lone(drained) == [(1, True)]  # nothing more when the dropped linger would have fired
 
 
 def test_enough_settled_deliveries_are_acked_in_their_turn_and_the_linger_is_dropped() -> None:
@@ -144,21 +161,5 @@ def test_enough_settled_deliveries_are_acked_in_their_turn_and_the_linger_is_dro
         assert channel.acks == [(3, True)]
         await asyncio.sleep(0.5)
         assert channel.acks == [(3, True)]  # nothing more when the dropped linger would have fired
-
-    run(steps)
-
-
-def test_a_drain_acks_at_once_and_drops_the_linger() -> None:
-    channel = FakeChannel()
-    message = delivery(1, channel)
-
-    async def steps() -> None:
-        acks = AckCoalescer(prompt_at=4, linger_s=0.2)
-        acks.delivered(message)
-        acks.settled(message)
-        await acks.flush()
-        assert channel.acks == [(1, True)]
-        await asyncio.sleep(0.5)
-        assert channel.acks == [(1, True)]
 
     run(steps)

@@ -17,7 +17,8 @@ from pydantic import BaseModel
 from orchestrator.bus.envelope import Envelope, Signer, signed_message
 from orchestrator.settings import DEVELOPMENT_SIGNING_KEY
 from orchestrator.wire.kinds import Kind
-from workers.runtime import Handler, TaskContext, Turn, WorkerRuntime, _Cancelled
+from workers.runtime import TaskContext, Turn, WorkerRuntime, _Cancelled
+from workers.sdk import Handler
 
 SIGNER = Signer.from_settings((DEVELOPMENT_SIGNING_KEY,))
 RUN, STAGE, FENCE = "run-1", "render", "1.1"
@@ -56,67 +57,67 @@ async def _run(runtime: WorkerRuntime, function: Any) -> Any:
         return await runtime._run_cancellable(envelope, handler, Payload(), context, pool, turn)
 
 
-def test_a_request_stops_the_handler_and_leaves_its_task_uncancelled() -> None:
-    async def main() -> None:
+def _slow(started: asyncio.Event) -> Any:
+    """A handler that works until it is stopped."""
+
+    async def slow(payload: Payload) -> str:
+        started.set()
+        await asyncio.sleep(30)
+        return "done"
+
+    return slow
+
+
+Raised = type[BaseException] | None
+
+
+async def _delivered(
+    runtime: WorkerRuntime, handler: Any, raises: type[BaseException] | None
+) -> tuple[Any, int]:
+    """What a delivery's task gets from ``handler`` run as ``_handle`` runs it (its output, or the
+    exception ``raises``, taken here), and how many cancellations the task has left after it (a
+    timeout later in the task must not take one as its own)."""
+    output: Any = None
+    if raises is None:
+        output = await _run(runtime, handler)
+    else:
+        with pytest.raises(raises):
+            await _run(runtime, handler)
+    async with asyncio.timeout(5):
+        await asyncio.sleep(0.01)
+    this = asyncio.current_task()
+    assert this is not None
+    return output, this.cancelling()
+
+
+def _requested(handler: Any, raises: Raised, requests: int = 1) -> tuple[Any, int]:
+    """``_delivered`` for a handler that ``requests`` cancellation requests reach once it has started."""
+    started = asyncio.Event()
+
+    async def main() -> tuple[Any, int]:
         runtime = _runtime()
-        started = asyncio.Event()
-
-        async def slow(payload: Payload) -> str:
-            started.set()
-            await asyncio.sleep(30)
-            return "done"
-
-        async def delivery() -> int:
-            with pytest.raises(_Cancelled):
-                await _run(runtime, slow)
-            await asyncio.sleep(0)  # the task goes on: reporting the outcome awaits
-            this = asyncio.current_task()
-            assert this is not None
-            return this.cancelling()
-
-        task = asyncio.create_task(delivery())
+        task = asyncio.create_task(_delivered(runtime, handler(started), raises))
         await started.wait()
-        await _request(runtime)
-        assert await task == 0
+        for _ in range(requests):
+            await _request(runtime)
+        outcome = await task
         assert runtime._running == {}
+        return outcome
 
-    asyncio.run(main())
+    return asyncio.run(main())
 
 
-def test_the_worker_stopping_cancels_the_task_whatever_the_handler() -> None:
-    async def main() -> None:
-        runtime = _runtime()
-        started = asyncio.Event()
+def test_a_request_stops_the_handler_and_leaves_its_task_uncancelled() -> None:
+    assert _requested(_slow, _Cancelled) == (None, 0)
 
-        async def slow(payload: Payload) -> str:
-            started.set()
-            await asyncio.sleep(30)
-            return "done"
 
-        task = asyncio.create_task(_run(runtime, slow))
-        await started.wait()
-        task.cancel()  # from outside: no request named the attempt
-        with pytest.raises(asyncio.CancelledError):
-            await task
-
-        # a request and the worker stopping at once: the stop still goes on up
-        task = asyncio.create_task(_run(runtime, slow))
-        started.clear()
-        await started.wait()
-        task.cancel()
-        await _request(runtime)
-        with pytest.raises(asyncio.CancelledError):
-            await task
-
-    asyncio.run(main())
+def test_a_request_delivered_twice_still_becomes_the_cancelled_outcome() -> None:
+    assert _requested(_slow, _Cancelled, requests=2) == (None, 0)  # its outbox entry re-sent
 
 
 def test_a_handler_that_swallows_the_request_keeps_its_result_and_its_task_is_not_left_cancelling() -> None:
-    async def main() -> None:
-        runtime = _runtime()
-        started = asyncio.Event()
-
-        async def stubborn(payload: Payload) -> str:
+    def stubborn(started: asyncio.Event) -> Any:
+        async def handler(payload: Payload) -> str:
             started.set()
             try:
                 await asyncio.sleep(30)
@@ -124,69 +125,41 @@ def test_a_handler_that_swallows_the_request_keeps_its_result_and_its_task_is_no
                 return "finished anyway"
             return "done"
 
-        async def delivery() -> tuple[str, int]:
-            output = await _run(runtime, stubborn)
-            async with asyncio.timeout(5):  # a timeout later in the task must not take it as its own
-                await asyncio.sleep(0.01)
-            this = asyncio.current_task()
-            assert this is not None
-            return output, this.cancelling()
+        return handler
 
-        task = asyncio.create_task(delivery())
-        await started.wait()
-        await _request(runtime)
-        assert await task == ("finished anyway", 0)
-
-    asyncio.run(main())
-
-
-def test_a_request_delivered_twice_still_becomes_the_cancelled_outcome() -> None:
-    async def main() -> None:
-        runtime = _runtime()
-        started = asyncio.Event()
-
-        async def slow(payload: Payload) -> str:
-            started.set()
-            await asyncio.sleep(30)
-            return "done"
-
-        async def delivery() -> int:
-            with pytest.raises(_Cancelled):
-                await _run(runtime, slow)
-            this = asyncio.current_task()
-            assert this is not None
-            return this.cancelling()
-
-        task = asyncio.create_task(delivery())
-        await started.wait()
-        await _request(runtime)
-        await _request(runtime)  # the same request again (its outbox entry re-sent)
-        assert await task == 0
-
-    asyncio.run(main())
+    assert _requested(stubborn, None) == ("finished anyway", 0)
 
 
 def test_a_handler_that_swallows_the_request_and_then_fails_leaves_its_task_uncancelled() -> None:
-    async def main() -> None:
-        runtime = _runtime()
-        started = asyncio.Event()
-
-        async def failing(payload: Payload) -> str:
+    def failing(started: asyncio.Event) -> Any:
+        async def handler(payload: Payload) -> str:
             started.set()
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.sleep(30)
             raise ValueError("cleanup failed")
 
-        async def delivery() -> int:
-            with pytest.raises(ValueError, match="cleanup failed"):
-                await _run(runtime, failing)
-            this = asyncio.current_task()
-            assert this is not None
-            return this.cancelling()
+        return handler
 
-        task = asyncio.create_task(delivery())
+    assert _requested(failing, ValueError) == (None, 0)
+
+
+def test_the_worker_stopping_cancels_the_task_whatever_the_handler() -> None:
+    async def main() -> None:
+        runtime = _runtime()
+        started = asyncio.Event()
+        task = asyncio.create_task(_run(runtime, _slow(started)))
         await started.wait()
+        task.cancel()  # from outside: no request named the attempt
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+        # a request and the worker stopping at once: the stop still goes on up
+        started.clear()
+        task = asyncio.create_task(_run(runtime, _slow(started)))
+        await started.wait()
+        task.cancel()
         await _request(runtime)
-        assert await task == 0
+        with pytest.raises(asyncio.CancelledError):
+            await task
 
     asyncio.run(main())
