@@ -682,7 +682,6 @@ class Client:
         deadline = time.monotonic() + timeout_s
         state = "pending"
         ends = self._run_ends()
-        longest = POLL_ANNOUNCED_S if ends.announced else POLL_UNANNOUNCED_S
         async with ends.watching(run_id) as watch:
             while True:
                 ending, watch.ending = watch.ending, None
@@ -703,7 +702,9 @@ class Client:
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(min(poll_s, left)):
                         await watch.ended.wait()
-                poll_s = min(poll_s * 1.5, longest)
+                # announcements can stop meanwhile (a subscription refused): then it reads as often as
+                # where nothing is announced
+                poll_s = min(poll_s * 1.5, POLL_ANNOUNCED_S if ends.announced else POLL_UNANNOUNCED_S)
 
     def _run_ends(self) -> RunEnds:
         if self._ends is None:
