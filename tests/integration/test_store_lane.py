@@ -109,7 +109,7 @@ def test_a_connection_reset_under_it_is_replaced_within_the_call(loop: EventLoop
             await client.aclose()
 
     with FaultProxy(upstream.hostname or "127.0.0.1", upstream.port or 6379) as proxy:
-        loops.run(main(proxy), loop)
+        loops.run(main(proxy), loops.loop_factory(loop))
 
 
 def test_a_call_cancelled_mid_reply_leaves_nothing_for_the_next_one() -> None:
