@@ -37,7 +37,7 @@ from orchestrator.governance.store import definition_key, names_key, parse_state
 from orchestrator.run_ends import CONFIRM_TIMEOUT_S, Ending, RunEnds, parse_ending
 from orchestrator.settings import Settings, redis_client
 from orchestrator.store import shardmap_store
-from orchestrator.store.connect import REDIS_ERRORS, is_cluster, sync_client
+from orchestrator.store.connect import REDIS_ERRORS, announces_run_ends, sync_client
 from orchestrator.store.keys import REFUSED, ShardKeys, finished_channel, index_key, plan_key, refused_key
 from orchestrator.store.keys import idempotency_key as claim_key
 from orchestrator.store.spec import snapshot_from_record
@@ -686,16 +686,15 @@ class Client:
             while True:
                 ending, watch.ending = watch.ending, None
                 watch.ended.clear()
-                if ending is not None:  # announced: no need to read the run
-                    return RunResult(run_id, ending.state, ending.output, ending.reason)
+                if (announced := _ended(run_id, None, ending)) is not None:  # no need to read the run
+                    return announced
                 try:
                     document = await self.status(run_id)
                 except RunNotFound:
                     document = None  # not created yet: the start is still in flight
-                if document is not None:
-                    state = document["state"]
-                    if is_final(state):
-                        return RunResult(run_id, state, document["output"], document["reason"])
+                if (read := _ended(run_id, document, None)) is not None:
+                    return read
+                state = document["state"] if document is not None else state
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise WaitTimeout(run_id, state, timeout_s)
@@ -704,12 +703,28 @@ class Client:
                         await watch.ended.wait()
                 # announcements can stop meanwhile (a subscription refused): then it reads as often as
                 # where nothing is announced
-                poll_s = min(poll_s * 1.5, POLL_ANNOUNCED_S if ends.announced else POLL_UNANNOUNCED_S)
+                poll_s = _next_poll(poll_s, ends.announced)
 
     def _run_ends(self) -> RunEnds:
         if self._ends is None:
             self._ends = RunEnds(self.redis, self.settings.key_prefix)
         return self._ends
+
+
+def _ended(run_id: str, document: Mapping[str, Any] | None, ending: Ending | None) -> RunResult | None:
+    """What a wait returns once the run has ended, as its end was announced or as a read found it; None
+    while it goes on."""
+    if ending is not None:
+        return RunResult(run_id, ending.state, ending.output, ending.reason)
+    if document is not None and is_final(document["state"]):
+        return RunResult(run_id, document["state"], document["output"], document["reason"])
+    return None
+
+
+def _next_poll(poll_s: float, announced: bool) -> float:
+    """A wait's next interval between reads of its run: growing, to a second where the run's end is
+    announced to it (the reads only stand in for a lost announcement), a tenth of one where it is not."""
+    return min(poll_s * 1.5, POLL_ANNOUNCED_S if announced else POLL_UNANNOUNCED_S)
 
 
 def _next_of(pubsub: Any, kind: str, seconds: float) -> dict[str, Any] | None:
@@ -850,29 +865,27 @@ class SyncClient:
         where nothing is announced)."""
         deadline = time.monotonic() + timeout_s
         state = "pending"
-        announced = not is_cluster(self.redis)
-        longest = POLL_ANNOUNCED_S if announced else POLL_UNANNOUNCED_S
         with contextlib.ExitStack() as stack:
             pubsub = None
-            if announced:
+            if announces_run_ends(self.redis):
                 pubsub = stack.enter_context(self.redis.pubsub())  # type: ignore[no-untyped-call]
                 try:
                     pubsub.subscribe(finished_channel(self.settings.key_prefix, run_id))
                     _next_of(pubsub, "subscribe", CONFIRM_TIMEOUT_S)  # before the first read of the run
                 except ResponseError as exc:  # refused (a user without channel rights): read the run
                     log.warning("could not subscribe to the end of run %s (%s); reading it", run_id, exc)
-                    pubsub, longest = None, POLL_UNANNOUNCED_S
+                    pubsub = None
             ending: Ending | None = None
             while True:
-                if ending is not None:  # announced: no need to read the run
-                    return RunResult(run_id, ending.state, ending.output, ending.reason)
+                if (announced_end := _ended(run_id, None, ending)) is not None:  # no need to read the run
+                    return announced_end
                 try:
-                    document = self.status(run_id)
-                    state = document["state"]
-                    if is_final(state):
-                        return RunResult(run_id, state, document["output"], document["reason"])
+                    document: dict[str, Any] | None = self.status(run_id)
                 except RunNotFound:
-                    pass
+                    document = None
+                if (read := _ended(run_id, document, None)) is not None:
+                    return read
+                state = document["state"] if document is not None else state
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise WaitTimeout(run_id, state, timeout_s)
@@ -881,4 +894,4 @@ class SyncClient:
                 else:
                     message = _next_of(pubsub, "message", min(poll_s, left))
                     ending = parse_ending(message.get("data")) if message is not None else None
-                poll_s = min(poll_s * 1.5, longest)
+                poll_s = _next_poll(poll_s, pubsub is not None)

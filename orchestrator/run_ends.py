@@ -24,14 +24,13 @@ from redis.asyncio.client import PubSub
 from redis.exceptions import ResponseError
 
 from orchestrator.engine.model import TERMINAL_RUN_STATUSES
-from orchestrator.store.connect import REDIS_ERRORS, is_cluster
+from orchestrator.store.connect import CLOSED_TRANSPORT, REDIS_ERRORS, announces_run_ends
 from orchestrator.store.keys import REFUSED, finished_channel
 
 log = logging.getLogger(__name__)
 
-# A subscription's connection trouble: redis-py's errors, and uvloop's RuntimeError for a write on a
-# transport the peer reset (asyncio's loop raises ConnectionResetError, which redis-py makes its own)
-LOST: tuple[type[Exception], ...] = (*REDIS_ERRORS, OSError, RuntimeError)
+# A subscription's connection trouble: redis-py's errors, and uvloop's for a write on a reset transport
+LOST: tuple[type[Exception], ...] = (*REDIS_ERRORS, OSError, CLOSED_TRANSPORT)
 READ_TIMEOUT_S = 1.0  # the reader's longest block: it notices being closed at least this often
 RETRY_S = 0.5  # after the subscription's connection failed, before reading again
 READ_LOST: tuple[type[Exception], ...] = (*REDIS_ERRORS, OSError)  # a read on a lost connection
@@ -83,7 +82,7 @@ class RunEnds:
     def __init__(self, redis: aioredis.Redis, prefix: str) -> None:
         self._redis = redis
         self._prefix = prefix
-        self.announced = not is_cluster(redis)
+        self.announced = announces_run_ends(redis)
         self._pubsub: PubSub | None = None
         self._reader: asyncio.Task[None] | None = None
         self._channels: dict[str, _Channel] = {}

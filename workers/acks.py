@@ -3,16 +3,16 @@
 Tasks finish out of order, but acking each one is a socket write, and writes dominate a worker's CPU.
 Delivery tags are per channel and increase, so once every delivery up to tag N is settled, one
 ``ack(multiple=True)`` on N settles them all. This tracks settled tags and acks the longest settled
-prefix: in the same event-loop turn once ``prompt_at`` deliveries wait for their ack (a busy worker, whose
-acks free its prefetch slots; the runtime makes it a quarter of the prefetch, so a worker with a
-concurrency below 8 acks every turn), else ``linger_s`` later. A run's result reaches its shard as its confirm
-reaches the worker, so an ack sent at once has the broker settle the task (a write to the quorum queue's
-log) and wake again while the shard handles that result and dispatches what follows; a few milliseconds
-later, it is off that path (``bench/ab_latency.py``: about 0.5 ms a model-ingest run, both orders). A task
-is marked settled only after its result was confirmed, so the guarantee is unchanged: nothing is acked
-before its result is safe. (An ack needs no confirm: were its
-write lost with the connection, the broker would redeliver the task, and its result, already confirmed,
-would come back to the shard as a recognised duplicate.)
+prefix: in the same event-loop turn once ``prompt_at`` deliveries wait for their ack (a busy worker,
+whose acks free its prefetch slots; the runtime makes it a quarter of the prefetch, so a worker with a
+concurrency below 8 acks every turn), else ``linger_s`` later. A run's result reaches its shard as its
+confirm reaches the worker, so an ack sent at once has the broker settle the task (a write to the quorum
+queue's log) and wake again while the shard handles that result and dispatches what follows; a few
+milliseconds later, it is off that path (``bench/ab_latency.py``, both orders: 0.1-0.5 ms a model-ingest
+run, bench/README.md). A task is marked settled only after its result was confirmed, so the guarantee is
+unchanged: nothing is acked before its result is safe. (An ack needs no confirm: were its write lost with
+the connection, the broker would redeliver the task, and its result, already confirmed, would come back
+to the shard as a recognised duplicate.)
 """
 
 from __future__ import annotations

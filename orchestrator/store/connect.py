@@ -180,6 +180,19 @@ def is_cluster(client: object) -> bool:
     return isinstance(client, AsyncRedisCluster | RedisCluster)
 
 
+def announces_run_ends(client: object) -> bool:
+    """Whether runs' ends are announced on pub/sub channels through ``client``'s Redis (the stores that
+    publish and the clients that subscribe decide alike): not on a Redis Cluster, whose asyncio client
+    redis-py gives no pub/sub, so a client there could not hear them."""
+    return not is_cluster(client)
+
+
+# uvloop refuses a write on a transport the peer has reset with this ("unable to perform operation on
+# <TCPTransport closed=True ...>"), where asyncio's loop raises ConnectionResetError and redis-py makes it
+# its ConnectionError: on a connection that skips redis-py's health check it means the same lost connection
+CLOSED_TRANSPORT = RuntimeError
+
+
 async def load_function_library(client: aioredis.Redis, source: str) -> None:
     """FUNCTION LOAD REPLACE ``source``: on every primary of a cluster (an FCALL runs on the primary of
     its keys' slot, and functions are per server), else on the one server."""

@@ -26,6 +26,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from orchestrator.store.connect import CLOSED_TRANSPORT
+
 Command = tuple[Any, ...]
 
 
@@ -60,10 +62,7 @@ class Lane:
     async def _send(connection: AbstractConnection, commands: Sequence[Command]) -> None:
         try:
             await connection.send_packed_command(connection.pack_commands(commands), check_health=False)
-        except RuntimeError as exc:
-            # uvloop refuses a write on a transport the peer has reset ("unable to perform operation on
-            # <TCPTransport closed=True ...>"), where asyncio's loop raises ConnectionResetError and
-            # redis-py makes that its ConnectionError: the same lost connection, replaced the same way
+        except CLOSED_TRANSPORT as exc:  # uvloop's word for a reset connection: replaced the same way
             raise RedisConnectionError(f"Redis connection lost: {exc}") from exc
 
     async def _reply(self, connection: AbstractConnection, command: Command) -> Any:

@@ -28,7 +28,7 @@ from orchestrator.engine.model import Decision, RunSnapshot
 from orchestrator.engine.plan import Plan, typed_plan
 from orchestrator.errors import SagaError
 from orchestrator.governance.store import digests_key, parse_digest_info
-from orchestrator.store.connect import is_cluster, load_function_library
+from orchestrator.store.connect import announces_run_ends, is_cluster, load_function_library
 from orchestrator.store.facets import changes_status, index_spec
 from orchestrator.store.keys import REFUSED, ShardKeys, finished_channel, index_key, plan_key, refused_key
 from orchestrator.store.lane import Command, Lane
@@ -119,9 +119,7 @@ class RedisStore:
 
     def __post_init__(self) -> None:
         self._lane = Lane(self.client) if self.direct and not is_cluster(self.client) else None
-        # A run's end is announced where waiting clients can subscribe: redis-py's asyncio cluster client
-        # has no pub/sub, so on a Redis Cluster they poll and nothing is announced.
-        self._announces = not is_cluster(self.client)
+        self._announces = announces_run_ends(self.client)
 
     def keys(self, shard: str) -> ShardKeys:
         return ShardKeys(self.prefix, shard)
