@@ -18,6 +18,7 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
+import redis
 import redis.asyncio as aioredis
 
 from orchestrator.bus.envelope import Signer
@@ -25,9 +26,10 @@ from orchestrator.client import Client, RunResult, SyncClient, start_envelope
 from orchestrator.run_ends import Ending, RunEnds, parse_ending
 from orchestrator.settings import DEVELOPMENT_SIGNING_KEY
 from orchestrator.shard.processor import Processor
-from orchestrator.store.keys import finished_channel
+from orchestrator.store.keys import finished_channel, refused_key
 from orchestrator.store.redis_store import RedisStore
 from tests.conftest import DEFINITIONS, compile_yaml
+from tests.faults import invariants
 from tests.integration.stack import Stack, publish_active, running
 
 pytestmark = pytest.mark.services
@@ -50,6 +52,13 @@ async def _announced_wait(client: Client, run_id: str) -> RunResult:
     return result
 
 
+def _invariants_hold(stack: Stack, run_ids: list[str]) -> None:
+    """The fault suite's shared checks over runs whose end was announced: the announcement is the
+    transition's last call and writes nothing, so every run invariant holds as without it."""
+    assert invariants.wait_for_convergence(stack.redis, stack.prefix, run_ids, TIMEOUT_S) == []
+    assert invariants.check_runs(stack.redis, stack.prefix, run_ids, effects=False) == []
+
+
 def _forged_start(stack: Stack, run_id: str) -> None:
     """A signed start of a plan that was never published: the shard refuses it (no run is created)."""
     envelope = start_envelope(stack.signer, run_id, "model-ingest", UNKNOWN_DIGEST, {"modelId": run_id})
@@ -63,7 +72,7 @@ async def _pubsub_port(client: Client) -> int:
 
 
 def test_a_wait_returns_at_the_announcement_of_the_runs_end(stack: Stack) -> None:
-    async def main() -> None:
+    async def main() -> str:
         async with Client(stack.settings) as client:
             run_id = await client.start("model-ingest", {"modelId": "announced"})
             result = await _announced_wait(client, run_id)
@@ -72,8 +81,9 @@ def test_a_wait_returns_at_the_announcement_of_the_runs_end(stack: Stack) -> Non
             assert result.output == document["output"] and result.output is not None
             assert result.reason == document["reason"]
             assert client._run_ends()._channels == {}  # unsubscribed once it returned
+            return run_id
 
-    asyncio.run(main())
+    _invariants_hold(stack, [asyncio.run(main())])
 
 
 def test_a_blocking_wait_returns_at_the_announcement_too(stack: Stack) -> None:
@@ -85,6 +95,7 @@ def test_a_blocking_wait_returns_at_the_announcement_too(stack: Stack) -> None:
         assert time.monotonic() - began < TIMEOUT_S / 2, "the wait sat out its timeout: nothing announced"
     finally:
         client.close()
+    _invariants_hold(stack, [run_id])
 
 
 def test_a_refused_start_is_announced_to_a_wait_that_began_before_it(stack: Stack) -> None:
@@ -205,8 +216,6 @@ def test_a_wait_begun_as_the_last_one_on_its_run_leaves_is_still_announced_the_e
 def _user_without_channels() -> Iterator[str]:
     """A Redis user who may run every command on every key but subscribe to no channel (what Redis 7
     gives a new user unless told otherwise): its Redis URL."""
-    import redis
-
     admin = redis.Redis.from_url("redis://127.0.0.1:6379/0")
     name, password = f"t-ends-{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
     admin.acl_setuser(name, enabled=True, passwords=[f"+{password}"], keys=["*"], commands=["+@all"])
@@ -240,3 +249,33 @@ def test_where_subscriptions_are_refused_waits_read_their_runs(stack: Stack) -> 
             assert blocking.wait(run_id, timeout_s=TIMEOUT_S).state == "completed"
         finally:
             blocking.close()
+    _invariants_hold(stack, [run_id])
+
+
+def test_a_store_that_may_not_publish_still_commits_a_runs_end_and_its_refusals() -> None:
+    """The announcement cannot fail what it announces: a Redis user without channel rights (Redis 7's
+    default for a new user) refuses the PUBLISH inside the transition function, and the transition's
+    writes stand all the same; a refused start is recorded all the same."""
+    prefix = f"t{uuid.uuid4().hex}"
+    signer = Signer.from_settings((DEVELOPMENT_SIGNING_KEY,))
+
+    async def main(url: str) -> None:
+        client = aioredis.Redis.from_url(url, decode_responses=True)
+        store = RedisStore(client, prefix=prefix)
+        try:
+            await store.load_library()
+            plan = compile_yaml((DEFINITIONS / "model-ingest.yaml").read_text())
+            await publish_active(store, plan)
+            start = start_envelope(signer, "muted", "model-ingest", plan.digest, {"modelId": "m"})
+            await Processor(store, lambda: int(time.time() * 1000)).handle_batch("fast.0", [start])
+            assert await store.poison("fast.0", "muted", "poison-1", "test", int(time.time() * 1000)) == 0
+            assert await client.hget(store.keys("fast.0").run("muted"), "status") == "failed"
+            await store.record_refusal("refused-muted", UNKNOWN_DIGEST, None, "not published", 0)
+            assert await client.hget(refused_key(prefix, "refused-muted"), "reason") == "not published"
+        finally:
+            async for key in client.scan_iter(match=f"{prefix}:*"):
+                await client.delete(key)
+            await client.aclose()
+
+    with _user_without_channels() as url:
+        asyncio.run(main(url))
