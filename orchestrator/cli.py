@@ -654,7 +654,10 @@ def dead_letters_replay(
         done = _run_remote(remote.request("POST", "/dead-letters/replay", body=body))["replayed"]
     else:
         queues = _dead_letter_queues(queue, modules, registry_file)
-        replayed = _on_broker(lambda c: deadletters.replay(c, queues, message_id, missing_ok=queue is None))
+        reissue = deadletters.replay_reissue(load_settings())
+        replayed = _on_broker(
+            lambda c: deadletters.replay(c, queues, message_id, reissue, missing_ok=queue is None)
+        )
         done = [_replayed_row(item) for item in replayed]
     for item in done:
         if item["error"] is None:

@@ -181,6 +181,7 @@ def orchestrator(
             poison_after=settings.delivery_limit - 1,
             redis_timeout_s=settings.redis_timeout_s,
             metrics_interval_s=None if metrics_port is None else 1.0,
+            freshness=settings.freshness(),
         )
 
         me = membership.process_id()

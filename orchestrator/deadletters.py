@@ -19,7 +19,9 @@ topology declares them with no delivery limit and no dead-letter exchange (``bus
 them would also take deliveries away from their consumers. At most the messages ready when a read starts are
 read, so a queue that keeps filling cannot keep a read going.
 
-Replaying publishes a copy back to the queue the message came from, on a confirm channel with ``mandatory``
+Replaying publishes a copy back to the queue the message came from, each envelope in it issued again under
+this process's signing key (``bus/reissue.py``: a shard refuses what was issued too long ago), on a
+confirm channel with ``mandatory``
 (an unroutable copy comes back as an error instead of vanishing), and acks the dead-letter copy only after
 the broker confirmed the new one: a failure at any point leaves the message where it was. A crash between
 the confirm and the ack leaves it in both places; message ids are deterministic, so its consumer recognises
@@ -37,6 +39,7 @@ import base64
 import hashlib
 import json
 import re
+import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -48,9 +51,13 @@ import aiormq
 from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractQueue
 from pamqp import commands as spec
 
+from orchestrator.bus import batch
+from orchestrator.bus.envelope import Signer
 from orchestrator.bus.names import DLQ_SUFFIX, Names
+from orchestrator.bus.reissue import Reissue, reissued
 from orchestrator.bus.topology import Topology
 from orchestrator.errors import SagaError
+from orchestrator.settings import Settings
 
 #: Headers ``Publisher.reject`` sets on a message it parks on saga.rejected.
 REASON_HEADER = "x-saga-reason"
@@ -307,6 +314,13 @@ def describe(
     )
 
 
+def replay_reissue(settings: Settings) -> Reissue:
+    """How this process issues replayed letters again: with its signing key, as of now."""
+    return Reissue(
+        Signer.from_settings(settings.signing_keys), int(time.time() * 1000), settings.max_message_bytes
+    )
+
+
 def replay_target(letter: DeadLetter) -> str:
     """The queue a dead letter goes back to; raises :class:`NotReplayable` when nothing says which."""
     if letter.origin is None:
@@ -498,15 +512,19 @@ async def show(
     return found
 
 
-def _replay_copy(message: AbstractIncomingMessage, letter: DeadLetter) -> aio_pika.Message:
-    # Same body (its signature covers the body only) and the envelope's id as message id, which a
-    # saga.rejected copy had lost. No expiration (it could expire again on the way) and no user_id (the
-    # broker refuses one that is not the publishing user).
+def _replay_copy(message: AbstractIncomingMessage, letter: DeadLetter, reissue: Reissue) -> aio_pika.Message:
+    # The body issued again (bus/reissue.py: a shard refuses what was issued too long ago) and the
+    # envelope's id as message id, which a saga.rejected copy had lost. No expiration (it could expire
+    # again on the way) and no user_id (the broker refuses one that is not the publishing user).
+    body, headers = reissued(message.body, replay_headers(message.headers, letter.queue), reissue)
+    was_container = batch.is_container(message.headers)
     return aio_pika.Message(
-        message.body,
-        headers=replay_headers(message.headers, letter.queue),
+        body,
+        headers=headers,
         message_id=letter.message_id,
-        content_type=message.content_type,
+        content_type=message.content_type
+        if batch.is_container(headers) == was_container
+        else "application/json",  # a container of one went back as its one message
         content_encoding=message.content_encoding,
         correlation_id=message.correlation_id,
         type=message.type,
@@ -517,7 +535,7 @@ def _replay_copy(message: AbstractIncomingMessage, letter: DeadLetter) -> aio_pi
     )
 
 
-async def _replay_one(reading: _Reading, message: AbstractIncomingMessage) -> Replayed:
+async def _replay_one(reading: _Reading, message: AbstractIncomingMessage, reissue: Reissue) -> Replayed:
     letter = _letter(reading.queue, message)
     try:
         target = replay_target(letter)
@@ -527,7 +545,10 @@ async def _replay_one(reading: _Reading, message: AbstractIncomingMessage) -> Re
         # The default exchange routes by queue name: the copy goes to exactly the queue it came from, and
         # mandatory turns a queue that no longer exists into an error rather than a silent drop.
         confirmation = await reading.channel.default_exchange.publish(
-            _replay_copy(message, letter), routing_key=target, mandatory=True, timeout=CONFIRM_TIMEOUT_S
+            _replay_copy(message, letter, reissue),
+            routing_key=target,
+            mandatory=True,
+            timeout=CONFIRM_TIMEOUT_S,
         )
     except (aiormq.exceptions.AMQPError, TimeoutError) as exc:
         return Replayed(letter, target, f"{target} did not take it ({type(exc).__name__}: {exc})")
@@ -541,10 +562,12 @@ async def replay(
     connection: aio_pika.abc.AbstractConnection,
     queues: list[str],
     message_id: str | None,
+    reissue: Reissue,
     *,
     missing_ok: bool,
 ) -> list[Replayed]:
-    """Replay every copy of ``message_id`` (``None``: every message) found on ``queues``.
+    """Replay every copy of ``message_id`` (``None``: every message) found on ``queues``, each issued again
+    by ``reissue``'s signer (a copy that does not verify goes back as it was).
 
     Raises :class:`MessageNotFound` when an id was given and is on none of them. A message that cannot be
     replayed is reported in its :class:`Replayed` and stays where it is."""
@@ -554,7 +577,7 @@ async def replay(
             async with _borrowed(connection, queue) as reading:
                 async for message in reading.messages():
                     if message_id is None or _letter(queue, message).matches(message_id):
-                        done.append(await _replay_one(reading, message))
+                        done.append(await _replay_one(reading, message, reissue))
         except QueueNotFound:
             if not missing_ok:
                 raise

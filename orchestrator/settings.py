@@ -15,6 +15,7 @@ from orchestrator.compiler.limits import AdmissionLimits
 from orchestrator.dsl.expressions import ExpressionLimits
 from orchestrator.dsl.yaml_source import YamlLimits
 from orchestrator.loops import EventLoopChoice
+from orchestrator.wire.freshness import Freshness
 from orchestrator.wire.sizes import DEFAULT_BAG_WINDOW, Limits
 
 DEFAULT_CONTRACT_MODULES = ("workers.demo",)
@@ -135,6 +136,25 @@ class Settings(BaseSettings):
         "lost Redis); renewed every third of it while a serial handler runs",
     )
     retention_ms: int = Field(7 * 86_400_000, ge=1000, description="how long finished runs are kept")
+    message_window_ms: int = Field(
+        86_400_000,
+        ge=1000,
+        description="a start, result, release, refill, cancel or re-drive issued longer ago than this is "
+        "refused by the shard (parked on saga.rejected as stale): a replay must not outlive the run records "
+        "that deduplicate it, so this plus SAGA_CLOCK_SKEW_MS must stay below SAGA_RETENTION_MS. Also how "
+        "long such a message may wait in a shard queue while orchestrators or Redis are down",
+    )
+    liveness_window_ms: int = Field(
+        300_000,
+        ge=1000,
+        description="an acceptance or heartbeat issued longer ago than this is refused as stale",
+    )
+    clock_skew_ms: int = Field(
+        30_000,
+        ge=0,
+        description="how far ahead of an orchestrator's clock a sender's may run: a message issued further "
+        "in the future is refused as future-dated",
+    )
     # ---- governance -------------------------------------------------------------------------------
     actor: str = Field(
         default_factory=_default_actor,
@@ -214,6 +234,17 @@ class Settings(BaseSettings):
         if not self.key_prefix:
             self.key_prefix = self.namespace
         return self
+
+    @model_validator(mode="after")
+    def _windows_end_before_records_expire(self) -> Settings:
+        problem = self.freshness().check_against(self.retention_ms)
+        if problem is not None:
+            raise ValueError(problem)
+        return self
+
+    def freshness(self) -> Freshness:
+        """How old a message a shard takes may be, by kind."""
+        return Freshness(self.message_window_ms, self.liveness_window_ms, self.clock_skew_ms)
 
     @property
     def separate_approver_required(self) -> bool:

@@ -103,7 +103,13 @@ async def replay(body: Replay, request: Request, _: DeadLetterHandler) -> dict[s
     done = await _on_queues(
         request,
         body.queue,
-        lambda c, qs: deadletters.replay(c, qs, body.message_id, missing_ok=body.queue is None),
+        lambda c, qs: deadletters.replay(
+            c,
+            qs,
+            body.message_id,
+            deadletters.replay_reissue(request.app.state.settings),
+            missing_ok=body.queue is None,
+        ),
     )
     return {
         "replayed": [

@@ -49,6 +49,7 @@ from orchestrator.reconcile import Reconciler
 from orchestrator.shard.processor import Outcome, Processor
 from orchestrator.store.redis_store import RedisStore
 from orchestrator.trace import TRACE
+from orchestrator.wire.freshness import Freshness
 from orchestrator.wire.kinds import Kind
 from orchestrator.wire.outgoing import Outgoing
 from orchestrator.wire.sizes import (
@@ -116,6 +117,7 @@ class ShardOptions:
     map_poll_s: float = 2.0
     stranded_after_ms: int = 600_000  # a running run quiet this long, with nothing on its way, is stranded
     crash_points: frozenset[str] = frozenset()  # tests only: see crash()
+    freshness: Freshness = field(default_factory=Freshness)  # how old a message taken may be, by kind
     # how often to read each shard's outbox depth and due timers into the metrics (None: never)
     metrics_interval_s: float | None = None
 
@@ -412,6 +414,7 @@ class ShardService:
         envelope or the reason it is refused."""
         deliveries: list[_Delivery] = []
         # the ids are read when the span ends: a container's messages are known by theirs once decoded
+        now_ms = self.clock_ms()
         with TRACE.span("decode", (d.message_id or "" for d in deliveries)):
             for message in batch:
                 deliveries.extend(_opened(message, self.options.max_message_bytes))
@@ -419,9 +422,17 @@ class ShardService:
                 if delivery.outcome is not None:  # a malformed container: refused whole
                     continue
                 try:
-                    delivery.envelope = decode(delivery.body, self.signer, self.options.max_message_bytes)
+                    envelope = decode(delivery.body, self.signer, self.options.max_message_bytes)
                 except EnvelopeRejected as exc:
                     delivery.outcome = Outcome(rejected=(exc.reason, exc.detail))
+                    continue
+                stale = self.options.freshness.refusal(
+                    envelope.kind, envelope.message_id, envelope.issued_at_ms, now_ms
+                )
+                if stale is None:
+                    delivery.envelope = envelope
+                else:
+                    delivery.outcome = Outcome(rejected=stale)
         return deliveries
 
     async def _continue_locally(

@@ -59,6 +59,11 @@ def rabbitmqctl(*args: str, node: str | None = None) -> str:
     return done.stdout
 
 
+def now_ms() -> int:
+    """The wall clock as messages carry it (``issued_at_ms``): a message built by a test is fresh."""
+    return int(time.time() * 1000)
+
+
 def poll(
     check: Callable[[], Any], timeout_s: float = 30.0, interval_s: float = 0.05, what: str = "condition"
 ) -> Any:

@@ -19,7 +19,7 @@ from orchestrator.provision import publish_plans
 from orchestrator.wire import ids
 from orchestrator.wire.kinds import Kind
 from tests.faults.invariants import assert_no_violations, check_runs
-from tests.integration.stack import REGISTRY, ROOT, Stack, poll, running
+from tests.integration.stack import REGISTRY, ROOT, Stack, now_ms, poll, running
 
 NAMES = Names()  # the stack runs in the default namespace, on a vhost of its own
 
@@ -183,6 +183,7 @@ def metadata_straggler(
         attempt=1,
         fence=fence,
         digest=record["digest"],
+        issued_at_ms=now_ms(),
         body={"ok": True, "result": result},
         **fields,
     )
@@ -288,6 +289,7 @@ def test_duplicate_stale_and_reordered_completions_change_nothing(stack: Stack, 
             attempt=1,
             fence=fence,
             digest=before["digest"],
+            issued_at_ms=now_ms(),
             body={"ok": True, "result": value},
         )
 

@@ -5,6 +5,7 @@ container is refused whole, and an AMQP message is settled exactly once however 
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,6 +17,7 @@ from orchestrator.shard.service import ShardOptions, ShardService, _Delivery
 
 SIGNER = Signer.from_settings((DEVELOPMENT_SIGNING_KEY,))
 FORGER = Signer.from_settings(("dev:not-the-key",))
+ISSUED = int(time.time() * 1000)  # fresh while the tests run: the shard takes such messages
 
 
 def result(n: int, signer: Signer = SIGNER) -> bytes:
@@ -29,6 +31,7 @@ def result(n: int, signer: Signer = SIGNER) -> bytes:
         attempt=1,
         fence="1.1",
         digest="d",
+        issued_at_ms=ISSUED,
         body={"ok": True, "result": {}},
     )
 
