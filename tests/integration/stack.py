@@ -270,9 +270,10 @@ class Stack:
 
 
 @contextmanager
-def running(name: str) -> Iterator[Stack]:
-    """A set-up stack with one orchestrator and one worker running, torn down after."""
-    stack = Stack(name)
+def running(name: str, env: dict[str, str] | None = None) -> Iterator[Stack]:
+    """A set-up stack with one orchestrator and one worker running (``env``: SAGA_* for every process),
+    torn down after."""
+    stack = Stack(name, env=env)
     stack.setup()
     try:
         stack.start_orchestrator()

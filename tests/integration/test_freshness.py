@@ -19,7 +19,7 @@ from orchestrator.client import RunNotFound, SyncClient, start_envelope
 from orchestrator.wire import ids
 from orchestrator.wire.kinds import Kind
 from tests.faults.invariants import assert_no_violations, check_runs
-from tests.integration.stack import Stack, now_ms, poll
+from tests.integration.stack import Stack, now_ms, poll, running
 
 NAMES = Names()
 RETENTION_MS, WINDOW_MS, SKEW_MS = 10_000, 4_000, 1_000
@@ -29,19 +29,9 @@ pytestmark = pytest.mark.services
 
 @pytest.fixture(scope="module")
 def stack() -> Iterator[Stack]:
-    env = {
-        "SAGA_RETENTION_MS": str(RETENTION_MS),
-        "SAGA_MESSAGE_WINDOW_MS": str(WINDOW_MS),
-        "SAGA_CLOCK_SKEW_MS": str(SKEW_MS),
-    }
-    s = Stack("freshness", env=env)
-    s.setup()
-    try:
-        s.start_orchestrator()
-        s.start_worker()
+    windows = {"RETENTION_MS": RETENTION_MS, "MESSAGE_WINDOW_MS": WINDOW_MS, "CLOCK_SKEW_MS": SKEW_MS}
+    with running("freshness", {f"SAGA_{name}": str(ms) for name, ms in windows.items()}) as s:
         yield s
-    finally:
-        s.teardown()
 
 
 @pytest.fixture(scope="module")

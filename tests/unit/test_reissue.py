@@ -6,8 +6,9 @@ from __future__ import annotations
 import zlib
 
 from orchestrator.bus import batch
-from orchestrator.bus.envelope import Signer, decode, signed_message
+from orchestrator.bus.envelope import Signer, decode
 from orchestrator.bus.reissue import FIRST_ISSUED_HEADER, REISSUED_BY_HEADER, Reissue, reissued
+from tests.unit import test_shard_containers as shard_containers
 
 OLD_KEY = Signer.from_settings(("old:old-secret",))
 OPERATOR = Signer.from_settings(("ops:ops-secret", "old:old-secret"))  # signs with ops, verifies both
@@ -17,19 +18,7 @@ REISSUE = Reissue(OPERATOR, NOW, 1_048_576)
 
 
 def result(n: int, signer: Signer = OLD_KEY, issued_at_ms: int = FIRST) -> bytes:
-    return signed_message(
-        signer,
-        kind="result",
-        message_id=f"result-{n}",
-        run_id=f"run-{n}",
-        shard="fast.0",
-        stage="render",
-        attempt=1,
-        fence="1.1",
-        digest="d",
-        issued_at_ms=issued_at_ms,
-        body={"ok": True, "result": {}},
-    )
+    return shard_containers.result(n, signer, issued_at_ms)
 
 
 def test_a_letter_is_signed_again_as_issued_now_with_its_id_and_first_time_kept() -> None:

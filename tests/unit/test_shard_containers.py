@@ -20,7 +20,7 @@ FORGER = Signer.from_settings(("dev:not-the-key",))
 ISSUED = int(time.time() * 1000)  # fresh while the tests run: the shard takes such messages
 
 
-def result(n: int, signer: Signer = SIGNER) -> bytes:
+def result(n: int, signer: Signer = SIGNER, issued_at_ms: int = ISSUED) -> bytes:
     return signed_message(
         signer,
         kind="result",
@@ -31,7 +31,7 @@ def result(n: int, signer: Signer = SIGNER) -> bytes:
         attempt=1,
         fence="1.1",
         digest="d",
-        issued_at_ms=ISSUED,
+        issued_at_ms=issued_at_ms,
         body={"ok": True, "result": {}},
     )
 
