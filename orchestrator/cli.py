@@ -654,7 +654,8 @@ def dead_letters_replay(
         done = _run_remote(remote.request("POST", "/dead-letters/replay", body=body))["replayed"]
     else:
         queues = _dead_letter_queues(queue, modules, registry_file)
-        reissue = deadletters.replay_reissue(load_settings())
+        # an old letter is issued again only when an operator names it: --all sends each as it was
+        reissue = deadletters.replay_reissue(load_settings()) if message_id is not None else None
         replayed = _on_broker(
             lambda c: deadletters.replay(c, queues, message_id, reissue, missing_ok=queue is None)
         )

@@ -512,11 +512,16 @@ async def show(
     return found
 
 
-def _replay_copy(message: AbstractIncomingMessage, letter: DeadLetter, reissue: Reissue) -> aio_pika.Message:
+def _replay_copy(
+    message: AbstractIncomingMessage, letter: DeadLetter, reissue: Reissue | None
+) -> aio_pika.Message:
     # The body issued again (bus/reissue.py: a shard refuses what was issued too long ago) and the
     # envelope's id as message id, which a saga.rejected copy had lost. No expiration (it could expire
     # again on the way) and no user_id (the broker refuses one that is not the publishing user).
-    body, headers = reissued(message.body, replay_headers(message.headers, letter.queue), reissue)
+    headers = replay_headers(message.headers, letter.queue)
+    body = message.body
+    if reissue is not None:
+        body, headers = reissued(body, headers, reissue)
     was_container = batch.is_container(message.headers)
     return aio_pika.Message(
         body,
@@ -535,7 +540,9 @@ def _replay_copy(message: AbstractIncomingMessage, letter: DeadLetter, reissue: 
     )
 
 
-async def _replay_one(reading: _Reading, message: AbstractIncomingMessage, reissue: Reissue) -> Replayed:
+async def _replay_one(
+    reading: _Reading, message: AbstractIncomingMessage, reissue: Reissue | None
+) -> Replayed:
     letter = _letter(reading.queue, message)
     try:
         target = replay_target(letter)
@@ -562,12 +569,12 @@ async def replay(
     connection: aio_pika.abc.AbstractConnection,
     queues: list[str],
     message_id: str | None,
-    reissue: Reissue,
+    reissue: Reissue | None,
     *,
     missing_ok: bool,
 ) -> list[Replayed]:
     """Replay every copy of ``message_id`` (``None``: every message) found on ``queues``, each issued again
-    by ``reissue``'s signer (a copy that does not verify goes back as it was).
+    by ``reissue``'s signer when given (a copy that does not verify goes back as it was).
 
     Raises :class:`MessageNotFound` when an id was given and is on none of them. A message that cannot be
     replayed is reported in its :class:`Replayed` and stays where it is."""

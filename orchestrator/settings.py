@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 import redis.asyncio as aioredis
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from orchestrator.bus.batch import DEFAULT_PACK_TASKS, MAX_PACKED_TASKS
@@ -15,7 +15,7 @@ from orchestrator.compiler.limits import AdmissionLimits
 from orchestrator.dsl.expressions import ExpressionLimits
 from orchestrator.dsl.yaml_source import YamlLimits
 from orchestrator.loops import EventLoopChoice
-from orchestrator.wire.freshness import Freshness
+from orchestrator.wire.freshness import DEFAULT_MESSAGE_WINDOW_MS, Freshness
 from orchestrator.wire.sizes import DEFAULT_BAG_WINDOW, Limits
 
 DEFAULT_CONTRACT_MODULES = ("workers.demo",)
@@ -136,13 +136,14 @@ class Settings(BaseSettings):
         "lost Redis); renewed every third of it while a serial handler runs",
     )
     retention_ms: int = Field(7 * 86_400_000, ge=1000, description="how long finished runs are kept")
-    message_window_ms: int = Field(
-        86_400_000,
+    message_window_ms: int | None = Field(
+        None,
         ge=1000,
         description="a start, result, release, refill, cancel or re-drive issued longer ago than this is "
         "refused by the shard (parked on saga.rejected as stale): a replay must not outlive the run records "
         "that deduplicate it, so this plus SAGA_CLOCK_SKEW_MS must stay below SAGA_RETENTION_MS. Also how "
-        "long such a message may wait in a shard queue while orchestrators or Redis are down",
+        "long such a message may wait in a shard queue while orchestrators or Redis are down. Unset: the "
+        "smaller of 24 hours and half SAGA_RETENTION_MS",
     )
     liveness_window_ms: int = Field(
         300_000,
@@ -235,16 +236,23 @@ class Settings(BaseSettings):
             self.key_prefix = self.namespace
         return self
 
-    @model_validator(mode="after")
-    def _windows_end_before_records_expire(self) -> Settings:
-        problem = self.freshness().check_against(self.retention_ms)
-        if problem is not None:
-            raise ValueError(problem)
-        return self
+    @field_validator("clock_skew_ms")
+    @classmethod
+    def _window_ends_before_records_expire(cls, skew: int, info: ValidationInfo) -> int:
+        # on the last of the three fields, so that an error names it and shows only its value
+        window, retention = info.data.get("message_window_ms"), info.data.get("retention_ms")
+        if window is not None and retention is not None:
+            problem = Freshness(window, clock_skew_ms=skew).check_against(retention)
+            if problem is not None:
+                raise ValueError(problem)
+        return skew
 
     def freshness(self) -> Freshness:
         """How old a message a shard takes may be, by kind."""
-        return Freshness(self.message_window_ms, self.liveness_window_ms, self.clock_skew_ms)
+        window = self.message_window_ms
+        if window is None:
+            window = min(DEFAULT_MESSAGE_WINDOW_MS, self.retention_ms // 2)
+        return Freshness(window, self.liveness_window_ms, self.clock_skew_ms)
 
     @property
     def separate_approver_required(self) -> bool:

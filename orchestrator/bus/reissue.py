@@ -8,7 +8,10 @@ envelope the letter holds with its own key ring and signs it again with its sign
 issued), so whoever reads it, or finds it dead-lettered again, knows it was replayed.
 
 A letter holding anything that does not verify (a forgery, a malformed or truncated message: what
-saga.rejected collects) is not signed again: it goes back as it was, and is refused as before. Pure.
+saga.rejected collects), or an acceptance or heartbeat, is not signed again: it goes back as it was, and
+is refused as before. Only a letter an operator names is issued again (``saga dead-letters replay ID``;
+``--all`` sends each as it was): the headers that say where a letter came from are not signed, so anyone
+who can publish to the broker could park a captured old message there. Pure.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import Any
 
 from orchestrator.bus import batch
 from orchestrator.bus.envelope import EnvelopeRejected, Signer, decode, encode
+from orchestrator.wire.freshness import LIVENESS_KINDS
 
 REISSUED_BY_HEADER = "x-saga-reissued-by"
 FIRST_ISSUED_HEADER = "x-saga-first-issued-at"
@@ -44,6 +48,8 @@ def reissued(
         envelopes = [decode(raw, reissue.signer, reissue.max_bytes) for raw in raws]
     except EnvelopeRejected:
         return body, kept
+    if any(e.kind in LIVENESS_KINDS for e in envelopes):
+        return body, kept  # old news of an attempt: issued again, it would keep a dead attempt looking alive
     # a letter replayed before says when it was first issued; else its envelopes do
     first = kept.get(FIRST_ISSUED_HEADER) or min(e.issued_at_ms for e in envelopes)
     again = [

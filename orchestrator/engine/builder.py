@@ -77,7 +77,6 @@ class Builder:
     intent: Intent | None = None
     reason: str | None = None
     timers: dict[str, int] = field(default_factory=dict)
-    later_only: set[str] = field(default_factory=set)  # timers that only ever move later
     untimers: set[str] = field(default_factory=set)
     claim: str | None = None
     remember: bool = True
@@ -148,7 +147,7 @@ class Builder:
             outgoing=tuple(self.outgoing),
             create=create,
             finished=self.finished,
-            timers=tuple(Timer(m, due, m in self.later_only) for m, due in sorted(self.timers.items())),
+            timers=tuple(Timer(m, due) for m, due in sorted(self.timers.items())),
             untimers=tuple(sorted(self.untimers)),
             claim=self.claim,
             # Only an applied message's id is remembered. A refused one may carry the id of a report
@@ -166,16 +165,7 @@ class Builder:
     def set_timer(self, clock: Clock, stage: str, fence: str, after_ms: int) -> None:
         name = clocks.member(self.run.run_id, clock, stage, fence)
         self.untimers.discard(name)
-        self.later_only.discard(name)
         self.timers[name] = self.now_ms + after_ms
-
-    def move_timer_later(self, clock: Clock, stage: str, fence: str, due_ms: int) -> None:
-        """Set a timer to ``due_ms`` unless the store already holds it due later: what moves it may come
-        again, or out of order (a heartbeat), and must never bring it forward."""
-        name = clocks.member(self.run.run_id, clock, stage, fence)
-        self.untimers.discard(name)
-        self.later_only.add(name)
-        self.timers[name] = due_ms
 
     def clear_timer(self, clock: Clock, stage: str, fence: str) -> None:
         name = clocks.member(self.run.run_id, clock, stage, fence)

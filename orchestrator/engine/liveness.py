@@ -92,12 +92,7 @@ def heartbeat(step: Step, event: StageHeartbeat) -> Decision:
         return step.decision(problem[0])
     rec = step.run.stages[event.stage]
     step.guard(event.stage, rec)
-    stage = step.plan.work(event.stage)
-    if stage is not None and stage.heartbeat_timeout_ms:
-        # from when the beat was sent (never later than now: a sender's clock may run ahead), and only
-        # later: a beat sent again, or overtaken by a later one, moves nothing
-        beat_at = step.now_ms if event.issued_at_ms is None else min(event.issued_at_ms, step.now_ms)
-        step.move_timer_later(Clock.HEARTBEAT, event.stage, rec.fence, beat_at + stage.heartbeat_timeout_ms)
+    _start_heartbeat_clock(step, event.stage, step.plan.work(event.stage), rec.fence)
     return step.decision()
 
 

@@ -135,7 +135,6 @@ class StageHeartbeat:
     attempt: int
     fence: str
     digest: str = ""
-    issued_at_ms: int | None = None  # when the worker sent it: the deadline runs from then, not from now
 
 
 class Clock(StrEnum):
@@ -376,7 +375,6 @@ class Timer:
 
     member: str
     due_ms: int
-    later_only: bool = False  # a timer already due later keeps its time (a heartbeat's deadline)
 
 
 @dataclass(frozen=True)

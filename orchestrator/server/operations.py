@@ -107,7 +107,8 @@ async def replay(body: Replay, request: Request, _: DeadLetterHandler) -> dict[s
             c,
             qs,
             body.message_id,
-            deadletters.replay_reissue(request.app.state.settings),
+            # an old letter is issued again only when named: "all" sends each as it was
+            deadletters.replay_reissue(request.app.state.settings) if body.message_id is not None else None,
             missing_ok=body.queue is None,
         ),
     )

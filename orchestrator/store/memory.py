@@ -124,9 +124,8 @@ class MemoryStore:
             run.applied.add(body["mid"])
         for member in body.get("untimers", []):
             self.timers.pop(member, None)
-        for member, due, *later_only in body.get("timers", []):
-            kept = self.timers.get(member)
-            self.timers[member] = max(due, kept) if later_only and kept is not None else due
+        for member, due in body.get("timers", []):
+            self.timers[member] = due
         for message_id, payload in body["outbox"]:
             self.outbox[message_id] = payload
         if body.get("dels") or body["sets"] or body["inits"] or body.get("arrival"):

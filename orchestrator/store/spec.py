@@ -141,9 +141,7 @@ def build_spec(
             [index[k.name], member] + ([bag_index[k.name]] if k.name in bag_index else [])
             for k, member in decision.absent
         ],
-        "timers": [
-            [t.member, t.due_ms, True] if t.later_only else [t.member, t.due_ms] for t in decision.timers
-        ],
+        "timers": [[t.member, t.due_ms] for t in decision.timers],
         "untimers": list(decision.untimers),
         "claim": decision.claim,
         "remember": decision.remember,

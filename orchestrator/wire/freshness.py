@@ -12,8 +12,9 @@ its kind's window or issued further in the future than the clock skew allows:
   It is also how long a message may legitimately wait in a shard queue (orchestrators down, Redis down);
   one that waited longer is refused and parked, and its run's own clocks take over.
 * ``liveness_window_ms``: acceptances and heartbeats, which nothing remembers. An acceptance acts once
-  (the attempt is then running); a heartbeat moves its attempt's deadline to the time it was issued plus
-  the stage's heartbeat timeout, and only ever later, so a copy sent again moves nothing.
+  (the attempt is then running); a heartbeat copied within this window can still move its attempt's
+  deadline (from now), so the window bounds how long a replay keeps a dead attempt looking alive. A stale
+  one is dropped, not parked: after a long outage there are many, and replaying them helps nobody.
 
 Messages a process sends again on purpose are issued again: the relay re-signs what it re-publishes, and a
 dead letter replayed by an operator is re-signed by the replaying process (``deadletters.py``). A broker
@@ -35,11 +36,12 @@ LIVENESS_KINDS = frozenset({Kind.ACCEPTED, Kind.HEARTBEAT})
 
 STALE = "stale"
 FUTURE = "future-dated"
+DEFAULT_MESSAGE_WINDOW_MS = 86_400_000
 
 
 @dataclass(frozen=True)
 class Freshness:
-    message_window_ms: int = 86_400_000
+    message_window_ms: int = DEFAULT_MESSAGE_WINDOW_MS
     liveness_window_ms: int = 300_000
     clock_skew_ms: int = 30_000
 

@@ -25,7 +25,7 @@ from orchestrator.bus.names import Names
 from orchestrator.client import StartRefused, SyncClient, run_id_for, start_envelope
 from orchestrator.wire import ids
 from tests.faults import invariants
-from tests.integration.stack import Stack, poll, running
+from tests.integration.stack import Stack, now_ms, poll, running
 from workers.demo.effects import demo_key
 
 NAMES = Names()  # the stack runs in the default namespace, on a vhost of its own
@@ -179,6 +179,7 @@ def test_a_signed_result_with_a_superscript_digit_is_parked_and_the_run_complete
         attempt=1,
         fence=fence,
         digest=record["digest"],
+        issued_at_ms=now_ms(),  # fresh: what refuses it must be the check this test is about
         body={"ok": True, "result": {"recorded": True}},
     )
     stack.publish_raw(NAMES.runs_exchange, record["shard"], body)
@@ -256,6 +257,7 @@ def test_a_run_id_too_long_for_an_amqp_short_string_is_refused_at_the_door(stack
         kind="start",
         message_id="start-" + "é" * 150,
         run_id="é" * 150,
+        issued_at_ms=now_ms(),
         body={"definition": "model-ingest", "context": {"modelId": "m-1"}},
     )
     stack.publish_raw(NAMES.start_exchange("fast"), "any", body)

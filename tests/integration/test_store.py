@@ -21,16 +21,8 @@ import redis
 import redis.asyncio as aioredis
 
 from orchestrator.compiler import CompiledPlan, compile_text
-from orchestrator.engine import advance, clocks
-from orchestrator.engine.model import (
-    BarrierReleased,
-    CancelRun,
-    Clock,
-    Decision,
-    Event,
-    StageResult,
-    StartRun,
-)
+from orchestrator.engine import advance
+from orchestrator.engine.model import BarrierReleased, CancelRun, Decision, Event, StageResult, StartRun
 from orchestrator.store.facets import static_facets, status_facets
 from orchestrator.store.memory import MemoryStore
 from orchestrator.store.redis_store import LIBRARY_NAME, RedisStore, library_source
@@ -39,10 +31,9 @@ from orchestrator.wire import ids
 from tests.conftest import DEFINITIONS, DEMO_REGISTRY, compile_yaml
 from tests.faults import invariants
 from tests.integration.stack import publish_active
-from tests.unit.engine_sim import SHARD, Poisoned, Sim, apply_event, handler_output, heartbeat, typed
+from tests.unit.engine_sim import SHARD, Poisoned, Sim, apply_event, handler_output, typed
 from tests.unit.redrive_cases import Case, cases, redriven
 from tests.unit.redrive_cases import compiled as redrive_compiled
-from tests.unit.test_engine_clocks import probe
 
 pytestmark = pytest.mark.services
 
@@ -240,32 +231,6 @@ def test_memory_store_and_redis_store_agree_step_by_step(
         history = await store.history(SHARD, run_id)
         assert [e["kind"] for e in history] == sim.kinds()
         assert [e["seq"] for e in history] == list(range(1, len(history) + 1))
-
-    with_store(test)
-
-
-def test_a_heartbeat_never_brings_its_deadline_forward_in_either_store() -> None:
-    # Given an attempt whose heartbeats arrive again and out of order
-    sim = probe("heartbeat_timeout_ms: 900")
-    sim.deliver_where(lambda d: d.kind == "task")
-    sim.deliver_where(lambda d: d.kind == "event" and type(d.event).__name__ == "StageAccepted")
-    start = sim.clock
-    sim.clock += 1_000  # every beat below arrives after it was sent
-    for beat, sent in ((2, 500), (2, 500), (1, 200), (3, 700)):
-        sim.handle(heartbeat(sim.run_id, "render", "1.1", beat=beat, issued_at_ms=start + sent))
-
-    # When the same events go through the Lua library and its Python port
-    async def test(store: RedisStore) -> None:
-        memory = MemoryStore()
-        for step, (event, now) in enumerate(sim.log):
-            apply_event(memory, sim.plan, sim.digest, sim.run_id, event, now)
-            await redis_apply(store, sim.plan, sim.digest, sim.run_id, event, now)
-            # Then both hold the same deadline after every step: the latest beat's, never an earlier one
-            assert await redis_state(store, sim.run_id, sim.plan) == memory_state(
-                memory, sim.run_id, sim.plan
-            ), step
-        member = clocks.member(sim.run_id, Clock.HEARTBEAT, "render", "1.1")
-        assert memory.timers[member] == start + 700 + 900
 
     with_store(test)
 

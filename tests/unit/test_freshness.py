@@ -51,6 +51,16 @@ def test_a_window_that_outlives_the_runs_records_is_refused(window: int, skew: i
 
 
 def test_settings_refuse_a_window_past_the_retention_with_what_to_change() -> None:
+    secret = "a-secret-that-must-not-be-printed"
+    with pytest.raises(ValidationError) as refused:
+        Settings(retention_ms=3_600_000, message_window_ms=3_600_000, signing_keys=(f"k:{secret}",))
+    assert secret not in str(refused.value) and "clock_skew_ms" in str(refused.value)
+    # unset, the window is the smaller of a day and half the retention: a short retention still starts
+    assert Settings(retention_ms=3_600_000).freshness().message_window_ms == 1_800_000
+    assert Settings().freshness().message_window_ms == 86_400_000
+
+
+def test_settings_name_what_to_change() -> None:
     with pytest.raises(
         ValidationError, match=r"SAGA_MESSAGE_WINDOW_MS .* must be shorter than SAGA_RETENTION_MS"
     ):

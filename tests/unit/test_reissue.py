@@ -6,7 +6,7 @@ from __future__ import annotations
 import zlib
 
 from orchestrator.bus import batch
-from orchestrator.bus.envelope import Signer, decode
+from orchestrator.bus.envelope import Signer, decode, signed_message
 from orchestrator.bus.reissue import FIRST_ISSUED_HEADER, REISSUED_BY_HEADER, Reissue, reissued
 from tests.unit import test_shard_containers as shard_containers
 
@@ -45,6 +45,21 @@ def test_a_forgery_is_never_signed_again() -> None:
     assert reissued(forged, {"a": 1}, REISSUE) == (forged, {"a": 1})
     truncated = result(1)[:-20]
     assert reissued(truncated, None, REISSUE) == (truncated, {})
+
+
+def test_an_acceptance_or_heartbeat_is_never_issued_again() -> None:
+    beat = signed_message(
+        OLD_KEY,
+        kind="heartbeat",
+        message_id="hb-1",
+        run_id="run-1",
+        shard="fast.0",
+        stage="render",
+        attempt=1,
+        fence="1.1",
+        issued_at_ms=FIRST,
+    )
+    assert reissued(beat, {}, REISSUE) == (beat, {})
 
 
 def test_a_container_is_issued_again_whole_or_not_at_all() -> None:

@@ -108,11 +108,7 @@ local function apply_timers(keys, spec)
     redis.call('ZREM', keys[6], m)
   end
   for _, t in ipairs(spec.timers) do
-    if t[3] then  -- only ever later: GT keeps a member already due later
-      redis.call('ZADD', keys[6], 'GT', t[2], t[1])
-    else
-      redis.call('ZADD', keys[6], t[2], t[1])
-    end
+    redis.call('ZADD', keys[6], t[2], t[1])
   end
 end
 
