@@ -518,6 +518,14 @@ def _detail_of(document: dict[str, Any]) -> deadletters.Detail:
     return deadletters.Detail(letter, document["properties"], document["headers"], raw)
 
 
+_REISSUE_NOTES = {
+    True: ", issued again under this process's signing key",
+    False: ", sent as it was (it does not verify with this process's SAGA_SIGNING_KEYS, or it reports an "
+    "attempt's liveness): a shard refuses it again if it is past its window",
+    None: "",
+}
+
+
 def _replayed_row(item: deadletters.Replayed) -> dict[str, Any]:
     """A replay's outcome as the API says it."""
     letter = item.letter
@@ -526,6 +534,7 @@ def _replayed_row(item: deadletters.Replayed) -> dict[str, Any]:
         "queue": letter.queue,
         "target": item.target,
         "error": item.error,
+        "reissued": item.reissued,
     }
 
 
@@ -664,7 +673,7 @@ def dead_letters_replay(
         if item["error"] is None:
             click.echo(
                 f"replayed {deadletters.printable(item['message_id'])} from {item['queue']} to "
-                f"{item['target']}"
+                f"{item['target']}{_REISSUE_NOTES[item.get('reissued')]}"
             )
         else:
             click.echo(f"error: {deadletters.printable(item['error'])}", err=True)

@@ -410,6 +410,9 @@ class Replayed:
     letter: DeadLetter
     target: str | None
     error: str | None  # None: the copy is confirmed on target and the dead letter is gone
+    # issued again (bus/reissue.py); False: sent as it was, as it does not verify with this process's key
+    # ring or reports an attempt's liveness (a shard may refuse it again); None: not asked (--all)
+    reissued: bool | None = None
 
 
 _PROPERTIES = (
@@ -514,16 +517,17 @@ async def show(
 
 def _replay_copy(
     message: AbstractIncomingMessage, letter: DeadLetter, reissue: Reissue | None
-) -> aio_pika.Message:
+) -> tuple[aio_pika.Message, bool | None]:
+    """The copy to publish, and whether it was issued again (None: not asked)."""
     # The body issued again (bus/reissue.py: a shard refuses what was issued too long ago) and the
     # envelope's id as message id, which a saga.rejected copy had lost. No expiration (it could expire
     # again on the way) and no user_id (the broker refuses one that is not the publishing user).
     headers = replay_headers(message.headers, letter.queue)
-    body = message.body
+    body, again = message.body, None
     if reissue is not None:
-        body, headers = reissued(body, headers, reissue)
+        body, headers, again = reissued(body, headers, reissue)
     was_container = batch.is_container(message.headers)
-    return aio_pika.Message(
+    copy = aio_pika.Message(
         body,
         headers=headers,
         message_id=letter.message_id,
@@ -538,6 +542,7 @@ def _replay_copy(
         reply_to=message.reply_to,
         delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
     )
+    return copy, again
 
 
 async def _replay_one(
@@ -548,11 +553,12 @@ async def _replay_one(
         target = replay_target(letter)
     except NotReplayable as exc:
         return Replayed(letter, None, str(exc))
+    copy, again = _replay_copy(message, letter, reissue)
     try:
         # The default exchange routes by queue name: the copy goes to exactly the queue it came from, and
         # mandatory turns a queue that no longer exists into an error rather than a silent drop.
         confirmation = await reading.channel.default_exchange.publish(
-            _replay_copy(message, letter, reissue),
+            copy,
             routing_key=target,
             mandatory=True,
             timeout=CONFIRM_TIMEOUT_S,
@@ -562,7 +568,7 @@ async def _replay_one(
     if not isinstance(confirmation, spec.Basic.Ack):
         return Replayed(letter, target, f"{target} did not confirm it ({confirmation!r})")
     await message.ack()  # only now: the copy on target is the broker's responsibility
-    return Replayed(letter, target, None)
+    return Replayed(letter, target, None, again)
 
 
 async def replay(

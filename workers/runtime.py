@@ -490,6 +490,13 @@ class WorkerRuntime:
                     False, "cancelled before it started: the orchestrator asked", cancelled=True
                 )
                 metrics.task_done(envelope.contract or "", ok=False, cancelled=True, seconds=None)
+            elif envelope.deadline_ms is not None and self.clock_ms() > envelope.deadline_ms:
+                # its queue deadline passed while it waited: the orchestrator has timed the attempt out (or
+                # is about to); starting it now would only do work whose result comes too late
+                why = f"not started: its queue deadline ({envelope.deadline_ms}) passed before it got a turn"
+                log.info("task %s of run %s: %s", envelope.message_id, envelope.run_id, why)
+                outcome = Outcome(False, why, cancelled=True)
+                metrics.task_done(envelope.contract or "", ok=False, cancelled=True, seconds=None)
             else:
                 outcome = await self._run(publisher, envelope, pool, turn)
         finally:

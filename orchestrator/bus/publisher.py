@@ -49,6 +49,7 @@ def _fields(message: Outgoing, now_ms: int) -> dict[str, Any]:
         "contract": body.get("contract"),
         "tenant": str(body.get("tenant", "default")),
         "issued_at_ms": now_ms,
+        "deadline_ms": message.deadline_ms,
         "body": dict(body),
     }
 
@@ -65,7 +66,14 @@ def message_bytes(message: Outgoing, signer: Signer, now_ms: int) -> bytes:
 def outgoing_from_payload(payload: Mapping[str, Any]) -> Outgoing:
     """Rebuild an outbox entry (as stored by the transition) for the relay."""
     route = payload["route"]
-    return Outgoing(payload["id"], payload["kind"], (route[0], route[1]), payload["body"])
+    deadline = payload.get("deadline_ms")
+    return Outgoing(
+        payload["id"],
+        payload["kind"],
+        (route[0], route[1]),
+        payload["body"],
+        deadline if isinstance(deadline, int) and not isinstance(deadline, bool) else None,
+    )
 
 
 class _Pack:

@@ -39,17 +39,21 @@ class Reissue:
 
 def reissued(
     body: bytes, headers: Mapping[str, Any] | None, reissue: Reissue
-) -> tuple[bytes, dict[str, Any]]:
-    """``body`` and ``headers`` of a replayed letter: every envelope in it signed again as issued now, or
-    both as they were when any does not verify."""
+) -> tuple[bytes, dict[str, Any], bool]:
+    """``body`` and ``headers`` of a replayed letter, and whether it was issued again: every envelope in it
+    signed again as issued now, or both as they were when any does not verify or reports liveness."""
     kept = dict(headers or {})
     try:
         raws = batch.unpack(body, kept, reissue.max_bytes) if batch.is_container(kept) else [body]
         envelopes = [decode(raw, reissue.signer, reissue.max_bytes) for raw in raws]
     except EnvelopeRejected:
-        return body, kept
+        return body, kept, False
     if any(e.kind in LIVENESS_KINDS for e in envelopes):
-        return body, kept  # old news of an attempt: issued again, it would keep a dead attempt looking alive
+        return (
+            body,
+            kept,
+            False,
+        )  # old news of an attempt: issued again, it would keep a dead attempt looking alive
     # a letter replayed before says when it was first issued; else its envelopes do
     first = kept.get(FIRST_ISSUED_HEADER) or min(e.issued_at_ms for e in envelopes)
     again = [
@@ -63,4 +67,4 @@ def reissued(
         container = batch.pack(again, envelopes[0].message_id)
         body = container.body
         kept.update(container.headers)
-    return body, {**kept, REISSUED_BY_HEADER: reissue.signer.active, FIRST_ISSUED_HEADER: first}
+    return body, {**kept, REISSUED_BY_HEADER: reissue.signer.active, FIRST_ISSUED_HEADER: first}, True

@@ -214,6 +214,8 @@ class Builder:
             id_parts=(id_part,),
             report=report,
             per_message=stage.items_per_message if isinstance(stage, Bag) and item is not None else 1,
+            # started by then or not at all: the queue clock times the attempt out at that moment
+            deadline_ms=None if stage.queue_deadline_ms is None else self.now_ms + stage.queue_deadline_ms,
         )
 
     def task(
@@ -229,6 +231,7 @@ class Builder:
         id_parts: tuple[object, ...] = (),
         report: dict[str, Any] | None = None,
         per_message: int = 1,
+        deadline_ms: int | None = None,
     ) -> Outgoing:
         """A task message for contract ``ref``: its id is a pure function of run, label, fence and
         ``id_parts``, so building it again (a relay, a nudge) gives the same message, and it is the
@@ -249,7 +252,7 @@ class Builder:
             report=report,
             per_message=per_message,
         )
-        return Outgoing(message_id, Kind.TASK, ("task", queue), body)
+        return Outgoing(message_id, Kind.TASK, ("task", queue), body, deadline_ms)
 
     def send_or_why(self, message: Outgoing) -> str | None:
         """Send ``message`` if its reader can take it (it fits ``limits``); else say why it cannot."""

@@ -80,7 +80,11 @@ def accepted(step: Step, event: StageAccepted) -> Decision:
 
 
 def heartbeat(step: Step, event: StageHeartbeat) -> Decision:
-    """Moves the heartbeat deadline; nothing in history (a long task beats often), nothing remembered."""
+    """Moves the heartbeat deadline (from now: a queue that lags must not time a live attempt out);
+    nothing in history (a long task beats often), nothing remembered in the applied set. Only a beat sent
+    after the latest one applied to the attempt counts, by the time it was sent: a copy sent again, or a
+    beat overtaken by a later one, keeps no attempt alive. A worker that takes the task over after a
+    crash sends later beats, whatever it counts them as."""
     step.remember = False
     if not ids.is_heartbeat_id(event.message_id, step.run.run_id, event.stage, event.fence):
         # only the attempt's own beats keep it alive; a forged one is recorded like any refusal
@@ -91,9 +95,21 @@ def heartbeat(step: Step, event: StageHeartbeat) -> Decision:
         _recancel(step, event.stage, event.fence, event.message_id)  # the heartbeat's reply: stop
         return step.decision(problem[0])
     rec = step.run.stages[event.stage]
+    sent = event.issued_at_ms
+    if sent is not None and sent <= _latest_beat(rec):
+        return step.decision(Verdict.DUPLICATE)
     step.guard(event.stage, rec)
+    if sent is not None:
+        step.expect(Key("stage", event.stage), "beat", rec.beat)
+        step.write(Key("stage", event.stage), beat=f"{rec.fence}|{sent}")
     _start_heartbeat_clock(step, event.stage, step.plan.work(event.stage), rec.fence)
     return step.decision()
+
+
+def _latest_beat(rec: StageRecord) -> int:
+    """When the latest beat of the record's own attempt was sent (-1: none yet; a former attempt's)."""
+    fence, _, sent = (rec.beat or "").rpartition("|")
+    return int(sent) if fence == rec.fence and sent.isdigit() else -1
 
 
 def _start_heartbeat_clock(step: Step, name: str, stage: Work | None, fence: str) -> None:

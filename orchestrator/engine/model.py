@@ -135,6 +135,7 @@ class StageHeartbeat:
     attempt: int
     fence: str
     digest: str = ""
+    issued_at_ms: int | None = None  # when its worker sent it (None: a beat with no time, always taken)
 
 
 class Clock(StrEnum):
@@ -265,6 +266,9 @@ class StageRecord:
     sent: int | None = None
     window: int | None = None
     completed_at: int | None = None  # stages with a compensation: when it completed (the undo order)
+    # when the latest heartbeat applied was sent, "<fence>|<issued_at_ms>": a copy of it, or a beat sent
+    # before it, moves nothing (heartbeats are not remembered in the applied set: an attempt beats often)
+    beat: str | None = None
 
 
 @dataclass(frozen=True)

@@ -114,7 +114,13 @@ async def replay(body: Replay, request: Request, _: DeadLetterHandler) -> dict[s
     )
     return {
         "replayed": [
-            {"message_id": d.letter.message_id, "queue": d.letter.queue, "target": d.target, "error": d.error}
+            {
+                "message_id": d.letter.message_id,
+                "queue": d.letter.queue,
+                "target": d.target,
+                "error": d.error,
+                "reissued": d.reissued,
+            }
             for d in done
         ]
     }

@@ -38,10 +38,18 @@ def to_event(envelope: Envelope) -> Event | str:
         return _request(envelope)
     if envelope.stage is None or envelope.fence is None:
         return f"a {envelope.kind.value} must name its stage and fence"
-    if envelope.kind in (Kind.ACCEPTED, Kind.HEARTBEAT):
-        kind = StageAccepted if envelope.kind is Kind.ACCEPTED else StageHeartbeat
-        attempt = envelope.attempt or 0
-        return kind(envelope.message_id, envelope.stage, attempt, envelope.fence, envelope.digest)
+    attempt = envelope.attempt or 0
+    if envelope.kind is Kind.ACCEPTED:
+        return StageAccepted(envelope.message_id, envelope.stage, attempt, envelope.fence, envelope.digest)
+    if envelope.kind is Kind.HEARTBEAT:
+        return StageHeartbeat(
+            envelope.message_id,
+            envelope.stage,
+            attempt,
+            envelope.fence,
+            envelope.digest,
+            envelope.issued_at_ms,
+        )
     if envelope.kind is Kind.RELEASE:
         return BarrierReleased(envelope.message_id, envelope.stage, envelope.fence)
     if envelope.kind is Kind.REFILL:

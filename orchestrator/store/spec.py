@@ -61,17 +61,17 @@ def bag_members(in_hash: Mapping[str, str], results: Iterable[str]) -> dict[str,
 
 
 def outbox_payload(message: Outgoing, run_id: str, at_ms: int) -> str:
-    return jsontext.dumps(
-        {
-            "id": message.message_id,
-            "kind": message.kind,
-            "route": list(message.route),
-            "body": message.body,
-            "run_id": run_id,
-            "at": at_ms,
-        },
-        sort_keys=True,
-    )
+    payload = {
+        "id": message.message_id,
+        "kind": message.kind,
+        "route": list(message.route),
+        "body": message.body,
+        "run_id": run_id,
+        "at": at_ms,
+    }
+    if message.deadline_ms is not None:
+        payload["deadline_ms"] = message.deadline_ms
+    return jsontext.dumps(payload, sort_keys=True)
 
 
 def _continuation_payload(message: Outgoing, run_id: str, at_ms: int) -> str:
@@ -235,7 +235,18 @@ def json_field(text: str) -> Any:
     return json.loads(text)
 
 
-_STAGE_FIELDS = ("status", "attempt", "fence", "result", "error", "items", "sent", "window", "done_at")
+_STAGE_FIELDS = (
+    "status",
+    "attempt",
+    "fence",
+    "result",
+    "error",
+    "items",
+    "sent",
+    "window",
+    "done_at",
+    "beat",
+)
 
 
 def _stage_record(fields: Mapping[str, str], parse: Callable[[str], Any]) -> StageRecord:
@@ -249,6 +260,7 @@ def _stage_record(fields: Mapping[str, str], parse: Callable[[str], Any]) -> Sta
         sent=int(fields["sent"]) if "sent" in fields else None,
         window=int(fields["window"]) if "window" in fields else None,
         completed_at=int(fields["done_at"]) if "done_at" in fields else None,
+        beat=fields.get("beat"),
     )
 
 

@@ -11,10 +11,11 @@ its kind's window or issued further in the future than the clock skew allows:
   expire (``Freshness.check_against``): then no copy is both outside every record and inside its window.
   It is also how long a message may legitimately wait in a shard queue (orchestrators down, Redis down);
   one that waited longer is refused and parked, and its run's own clocks take over.
-* ``liveness_window_ms``: acceptances and heartbeats, which nothing remembers. An acceptance acts once
-  (the attempt is then running); a heartbeat copied within this window can still move its attempt's
-  deadline (from now), so the window bounds how long a replay keeps a dead attempt looking alive. A stale
-  one is dropped, not parked: after a long outage there are many, and replaying them helps nobody.
+* ``liveness_window_ms``: acceptances and heartbeats, which the applied set does not remember (an attempt
+  beats often). The attempt's record refuses their copies instead: an acceptance acts once (the attempt
+  is then running), and a heartbeat counts only if sent after the latest one applied
+  (``engine/liveness.py``). A stale one is dropped, not parked: after a long outage there are many, and
+  replaying them helps nobody.
 
 Messages a process sends again on purpose are issued again: the relay re-signs what it re-publishes, and a
 dead letter replayed by an operator is re-signed by the replaying process (``deadletters.py``). A broker

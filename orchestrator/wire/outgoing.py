@@ -18,3 +18,6 @@ class Outgoing:
     kind: str
     route: tuple[str, str]
     body: Mapping[str, Any]
+    # a task with a queue deadline: when (epoch ms) a worker must have started it, else it does not start
+    # it (it reports the attempt expired); its envelope's deadline_ms
+    deadline_ms: int | None = None

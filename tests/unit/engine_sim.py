@@ -130,9 +130,13 @@ def report(
     return StageResult(message_id, stage, attempt, fence, ok, result, error, item, digest, **flags)
 
 
-def heartbeat(run_id: str, stage: str, fence: str, beat: int = 1) -> StageHeartbeat:
-    """The attempt's ``beat``-th heartbeat, under the id a worker gives it."""
-    return StageHeartbeat(ids.heartbeat_id(run_id, stage, fence, beat), stage, 1, fence)
+def heartbeat(
+    run_id: str, stage: str, fence: str, beat: int = 1, issued_at_ms: int | None = None
+) -> StageHeartbeat:
+    """The attempt's ``beat``-th heartbeat, under the id a worker gives it, sent at ``issued_at_ms``."""
+    return StageHeartbeat(
+        ids.heartbeat_id(run_id, stage, fence, beat), stage, 1, fence, issued_at_ms=issued_at_ms
+    )
 
 
 def to_publish(decision: Decision, code: int | None, detail: str) -> list[Outgoing]:

@@ -129,6 +129,45 @@ def test_a_heartbeat_moves_the_timer_so_an_old_firing_claims_nothing() -> None:
     assert "heartbeat" not in " ".join(kinds(sim))  # heartbeats leave no trace in history
 
 
+def test_a_heartbeat_sent_again_or_overtaken_keeps_no_attempt_alive() -> None:
+    sim = probe("heartbeat_timeout_ms: 900")
+    sim.deliver_where(lambda d: d.kind == "task")
+    sim.deliver_where(lambda d: d.kind == "event" and type(d.event).__name__ == "StageAccepted")
+    member = clocks.member(sim.run_id, Clock.HEARTBEAT, "render", "1.1")
+    start = sim.clock
+    sim.clock += 300
+    beat = heartbeat(sim.run_id, "render", "1.1", beat=2, issued_at_ms=start + 290)
+    assert sim.handle(beat).verdict is Verdict.APPLIED
+    due = sim.store.timers[member]
+    # When the same beat is sent again later, and one sent before it arrives after it
+    sim.clock += 300
+    copy = sim.handle(beat)
+    overtaken = sim.handle(heartbeat(sim.run_id, "render", "1.1", beat=1, issued_at_ms=start + 100))
+    # Then neither moves the deadline: a replayed beat keeps no dead attempt alive
+    assert copy.verdict is overtaken.verdict is Verdict.DUPLICATE
+    assert sim.store.timers[member] == due
+    # And a beat sent later does, from when it arrives (a lagging queue times no live attempt out),
+    # whatever number it has (a worker that took the task over after a crash counts from 1 again)
+    later = sim.handle(heartbeat(sim.run_id, "render", "1.1", beat=1, issued_at_ms=start + 400))
+    assert later.verdict is Verdict.APPLIED
+    assert sim.store.timers[member] == sim.clock + 900
+    assert "heartbeat" not in " ".join(kinds(sim))  # still nothing in history
+
+
+def test_a_new_attempt_takes_beats_afresh() -> None:
+    sim = probe("heartbeat_timeout_ms: 900", "retry: { max_attempts: 2, initial_backoff_ms: 10 }")
+    sim.deliver_where(lambda d: d.kind == "task")
+    sim.deliver_where(lambda d: d.kind == "event" and type(d.event).__name__ == "StageAccepted")
+    sim.handle(heartbeat(sim.run_id, "render", "1.1", issued_at_ms=sim.clock + 10_000))  # clock ahead
+    sim.fire_next_timer()  # no beat for 900 ms: the attempt times out, a retry is scheduled
+    sim.fire_next_timer()  # attempt 2 dispatched, fence 1.2
+    sim.deliver_where(lambda d: d.kind == "task")
+    sim.deliver_where(lambda d: d.kind == "event" and type(d.event).__name__ == "StageAccepted")
+    assert sim.record["s:render:fence"] == "1.2"
+    beat = heartbeat(sim.run_id, "render", "1.2", issued_at_ms=sim.clock)
+    assert sim.handle(beat).verdict is Verdict.APPLIED
+
+
 def test_a_result_that_beat_its_timer_leaves_the_timer_nothing_to_do() -> None:
     sim = probe("execution_deadline_ms: 1000", "queue_deadline_ms: 1000")
     sim.deliver_task("render")  # accepted, then completed

@@ -22,7 +22,8 @@ def result(n: int, signer: Signer = OLD_KEY, issued_at_ms: int = FIRST) -> bytes
 
 
 def test_a_letter_is_signed_again_as_issued_now_with_its_id_and_first_time_kept() -> None:
-    body, headers = reissued(result(1), {"x-saga-replayed-from": "saga.rejected"}, REISSUE)
+    body, headers, again = reissued(result(1), {"x-saga-replayed-from": "saga.rejected"}, REISSUE)
+    assert again
     envelope = decode(body, OPERATOR, 1_048_576)
     original = decode(result(1), OLD_KEY, 1_048_576)
     assert (envelope.message_id, envelope.issued_at_ms, envelope.key_id) == ("result-1", NOW, "ops")
@@ -35,16 +36,16 @@ def test_a_letter_is_signed_again_as_issued_now_with_its_id_and_first_time_kept(
 
 
 def test_a_letter_replayed_twice_keeps_when_it_was_first_issued() -> None:
-    once, headers = reissued(result(1), {}, REISSUE)
-    _, again = reissued(once, headers, Reissue(OPERATOR, NOW + 1, 1_048_576))
+    once, headers, _ = reissued(result(1), {}, REISSUE)
+    _, again, _ = reissued(once, headers, Reissue(OPERATOR, NOW + 1, 1_048_576))
     assert again[FIRST_ISSUED_HEADER] == FIRST
 
 
 def test_a_forgery_is_never_signed_again() -> None:
     forged = result(1, FORGER)
-    assert reissued(forged, {"a": 1}, REISSUE) == (forged, {"a": 1})
+    assert reissued(forged, {"a": 1}, REISSUE) == (forged, {"a": 1}, False)
     truncated = result(1)[:-20]
-    assert reissued(truncated, None, REISSUE) == (truncated, {})
+    assert reissued(truncated, None, REISSUE) == (truncated, {}, False)
 
 
 def test_an_acceptance_or_heartbeat_is_never_issued_again() -> None:
@@ -59,17 +60,17 @@ def test_an_acceptance_or_heartbeat_is_never_issued_again() -> None:
         fence="1.1",
         issued_at_ms=FIRST,
     )
-    assert reissued(beat, {}, REISSUE) == (beat, {})
+    assert reissued(beat, {}, REISSUE) == (beat, {}, False)
 
 
 def test_a_container_is_issued_again_whole_or_not_at_all() -> None:
     container = batch.pack([result(1), result(2)], "result-1")
-    body, headers = reissued(container.body, container.headers, REISSUE)
+    body, headers, _ = reissued(container.body, container.headers, REISSUE)
     payloads = batch.unpack(body, headers, 1_048_576)
     assert [decode(p, OPERATOR, 1_048_576).issued_at_ms for p in payloads] == [NOW, NOW]
     assert headers[FIRST_ISSUED_HEADER] == FIRST
     mixed = batch.pack([result(1), result(2, FORGER)], "result-1")
-    assert reissued(mixed.body, mixed.headers, REISSUE) == (mixed.body, mixed.headers)
+    assert reissued(mixed.body, mixed.headers, REISSUE) == (mixed.body, mixed.headers, False)
 
 
 def test_a_container_of_one_goes_back_as_its_one_message() -> None:
@@ -77,6 +78,6 @@ def test_a_container_of_one_goes_back_as_its_one_message() -> None:
     headers = {batch.BATCH_HEADER: 1, batch.CHECKSUM_HEADER: 0}
     body = len(payload).to_bytes(batch.FRAME_BYTES, "big") + payload
     headers[batch.CHECKSUM_HEADER] = zlib.crc32(body)
-    again, kept = reissued(body, headers, REISSUE)
+    again, kept, _ = reissued(body, headers, REISSUE)
     assert not batch.is_container(kept)
     assert decode(again, OPERATOR, 1_048_576).issued_at_ms == NOW
