@@ -15,7 +15,7 @@ from orchestrator.compiler.limits import AdmissionLimits
 from orchestrator.dsl.expressions import ExpressionLimits
 from orchestrator.dsl.yaml_source import YamlLimits
 from orchestrator.loops import EventLoopChoice
-from orchestrator.wire.freshness import DEFAULT_MESSAGE_WINDOW_MS, Freshness
+from orchestrator.wire.freshness import Freshness, default_message_window
 from orchestrator.wire.sizes import DEFAULT_BAG_WINDOW, Limits
 
 DEFAULT_CONTRACT_MODULES = ("workers.demo",)
@@ -241,8 +241,9 @@ class Settings(BaseSettings):
     def _window_ends_before_records_expire(cls, skew: int, info: ValidationInfo) -> int:
         # on the last of the three fields, so that an error names it and shows only its value
         window, retention = info.data.get("message_window_ms"), info.data.get("retention_ms")
-        if window is not None and retention is not None:
-            problem = Freshness(window, clock_skew_ms=skew).check_against(retention)
+        if retention is not None:
+            effective = default_message_window(retention) if window is None else window
+            problem = Freshness(effective, clock_skew_ms=skew).check_against(retention)
             if problem is not None:
                 raise ValueError(problem)
         return skew
@@ -251,7 +252,7 @@ class Settings(BaseSettings):
         """How old a message a shard takes may be, by kind."""
         window = self.message_window_ms
         if window is None:
-            window = min(DEFAULT_MESSAGE_WINDOW_MS, self.retention_ms // 2)
+            window = default_message_window(self.retention_ms)
         return Freshness(window, self.liveness_window_ms, self.clock_skew_ms)
 
     @property

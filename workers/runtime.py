@@ -485,17 +485,13 @@ class WorkerRuntime:
         try:
             if not message.settleable:
                 return  # its channel closed while it waited: the broker gave it to another consumer
+            if self._expired(envelope, message):
+                await settle.ack()  # the queue clock times the attempt out: no report, no work
+                return
             if turn.cancelled:
                 outcome = Outcome(
                     False, "cancelled before it started: the orchestrator asked", cancelled=True
                 )
-                metrics.task_done(envelope.contract or "", ok=False, cancelled=True, seconds=None)
-            elif envelope.deadline_ms is not None and self.clock_ms() > envelope.deadline_ms:
-                # its queue deadline passed while it waited: the orchestrator has timed the attempt out (or
-                # is about to); starting it now would only do work whose result comes too late
-                why = f"not started: its queue deadline ({envelope.deadline_ms}) passed before it got a turn"
-                log.info("task %s of run %s: %s", envelope.message_id, envelope.run_id, why)
-                outcome = Outcome(False, why, cancelled=True)
                 metrics.task_done(envelope.contract or "", ok=False, cancelled=True, seconds=None)
             else:
                 outcome = await self._run(publisher, envelope, pool, turn)
@@ -503,6 +499,23 @@ class WorkerRuntime:
             if not turn.handed_over:  # no handler runs on it: give it back now
                 turn.finished()
         await self._report_result(publisher, delivered, envelope, outcome, settle)
+
+    def _expired(self, envelope: Envelope, message: Delivered) -> bool:
+        """Whether a task is not to start: its queue deadline passed before it got a turn. Its attempt has
+        a queue clock (that is what gives a task a deadline), which times it out, or has; so the task is
+        settled without a report, whose id a live attempt's result would need. Only a first delivery: a
+        redelivered one may be an attempt a worker that then crashed had already accepted, which only a
+        worker running it can finish."""
+        if envelope.deadline_ms is None or message.redelivered or self.clock_ms() <= envelope.deadline_ms:
+            return False
+        log.info(
+            "task %s of run %s not started: its queue deadline (%d) passed before it got a turn",
+            envelope.message_id,
+            envelope.run_id,
+            envelope.deadline_ms,
+        )
+        metrics.task_done(envelope.contract or "", ok=False, cancelled=True, seconds=None)
+        return True
 
     async def _report_result(
         self,

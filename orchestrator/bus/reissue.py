@@ -48,12 +48,11 @@ def reissued(
         envelopes = [decode(raw, reissue.signer, reissue.max_bytes) for raw in raws]
     except EnvelopeRejected:
         return body, kept, False
-    if any(e.kind in LIVENESS_KINDS for e in envelopes):
-        return (
-            body,
-            kept,
-            False,
-        )  # old news of an attempt: issued again, it would keep a dead attempt looking alive
+    # old news of an attempt, left out (a worker batches them with its results): issued again, a heartbeat
+    # could keep a dead attempt looking alive
+    envelopes = [e for e in envelopes if e.kind not in LIVENESS_KINDS]
+    if not envelopes:
+        return body, kept, False
     # a letter replayed before says when it was first issued; else its envelopes do
     first = kept.get(FIRST_ISSUED_HEADER) or min(e.issued_at_ms for e in envelopes)
     again = [

@@ -214,8 +214,11 @@ class Builder:
             id_parts=(id_part,),
             report=report,
             per_message=stage.items_per_message if isinstance(stage, Bag) and item is not None else 1,
-            # started by then or not at all: the queue clock times the attempt out at that moment
-            deadline_ms=None if stage.queue_deadline_ms is None else self.now_ms + stage.queue_deadline_ms,
+            # started by then or not at all: the queue clock times the attempt out at that moment (a map's
+            # items have none: a bag has one clock, from dispatch to its last item)
+            deadline_ms=None
+            if stage.queue_deadline_ms is None or item is not None
+            else self.now_ms + stage.queue_deadline_ms,
         )
 
     def task(

@@ -49,7 +49,7 @@ from orchestrator.reconcile import Reconciler
 from orchestrator.shard.processor import Outcome, Processor
 from orchestrator.store.redis_store import RedisStore
 from orchestrator.trace import TRACE
-from orchestrator.wire.freshness import LIVENESS_KINDS, Freshness
+from orchestrator.wire.freshness import LIVENESS_KINDS, STALE, Freshness
 from orchestrator.wire.kinds import Kind
 from orchestrator.wire.outgoing import Outgoing
 from orchestrator.wire.sizes import (
@@ -431,7 +431,7 @@ class ShardService:
                 )
                 if stale is None:
                     delivery.envelope = envelope
-                elif envelope.kind in LIVENESS_KINDS:  # news of an attempt that is old news: dropped
+                elif envelope.kind in LIVENESS_KINDS and stale[0] == STALE:  # old news of an attempt: dropped
                     log.info("shard: %s %s dropped: %s", envelope.kind.value, envelope.message_id, stale[1])
                     delivery.outcome = Outcome()
                 else:

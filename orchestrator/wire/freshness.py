@@ -40,6 +40,11 @@ FUTURE = "future-dated"
 DEFAULT_MESSAGE_WINDOW_MS = 86_400_000
 
 
+def default_message_window(retention_ms: int) -> int:
+    """The message window where none is set: a day, or half the retention if that is shorter."""
+    return min(DEFAULT_MESSAGE_WINDOW_MS, retention_ms // 2)
+
+
 @dataclass(frozen=True)
 class Freshness:
     message_window_ms: int = DEFAULT_MESSAGE_WINDOW_MS
@@ -77,9 +82,10 @@ class Freshness:
         longest = self.message_window_ms + self.clock_skew_ms
         if longest >= retention_ms:
             return (
-                f"SAGA_MESSAGE_WINDOW_MS ({self.message_window_ms}) plus SAGA_CLOCK_SKEW_MS "
-                f"({self.clock_skew_ms}) must be shorter than SAGA_RETENTION_MS ({retention_ms}): a start "
-                "replayed after its run's records expired would start the run again. Shorten the window or "
-                "keep runs longer"
+                f"the message window ({self.message_window_ms} ms, SAGA_MESSAGE_WINDOW_MS; unset: the "
+                f"smaller of a day and half the retention) plus SAGA_CLOCK_SKEW_MS ({self.clock_skew_ms}) "
+                f"must be shorter than SAGA_RETENTION_MS ({retention_ms}): a start replayed after its "
+                "run's records expired would start the run again. Shorten the window or the skew, or keep "
+                "runs for longer"
             )
         return None

@@ -58,11 +58,14 @@ def test_settings_refuse_a_window_past_the_retention_with_what_to_change() -> No
     # unset, the window is the smaller of a day and half the retention: a short retention still starts
     assert Settings(retention_ms=3_600_000).freshness().message_window_ms == 1_800_000
     assert Settings().freshness().message_window_ms == 86_400_000
+    # and a retention too short for the skew is refused even with the window unset
+    with pytest.raises(ValidationError, match="keep runs for longer"):
+        Settings(retention_ms=50_000)
 
 
 def test_settings_name_what_to_change() -> None:
     with pytest.raises(
-        ValidationError, match=r"SAGA_MESSAGE_WINDOW_MS .* must be shorter than SAGA_RETENTION_MS"
+        ValidationError, match=r"SAGA_MESSAGE_WINDOW_MS.* must be shorter than SAGA_RETENTION_MS"
     ):
         Settings(retention_ms=3_600_000, message_window_ms=3_600_000)
     assert (

@@ -63,6 +63,24 @@ def test_an_acceptance_or_heartbeat_is_never_issued_again() -> None:
     assert reissued(beat, {}, REISSUE) == (beat, {}, False)
 
 
+def test_a_heartbeat_batched_with_a_result_is_left_out_and_the_result_issued_again() -> None:
+    beat = signed_message(
+        OLD_KEY,
+        kind="heartbeat",
+        message_id="hb-1",
+        run_id="run-1",
+        shard="fast.0",
+        stage="render",
+        attempt=1,
+        fence="1.1",
+        issued_at_ms=FIRST,
+    )
+    container = batch.pack([result(1), beat], "result-1")
+    body, headers, again = reissued(container.body, container.headers, REISSUE)
+    assert again and not batch.is_container(headers)
+    assert decode(body, OPERATOR, 1_048_576).message_id == "result-1"
+
+
 def test_a_container_is_issued_again_whole_or_not_at_all() -> None:
     container = batch.pack([result(1), result(2)], "result-1")
     body, headers, _ = reissued(container.body, container.headers, REISSUE)
