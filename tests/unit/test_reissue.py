@@ -17,6 +17,20 @@ FIRST, NOW = 1_700_000_000_000, 1_800_000_000_000
 REISSUE = Reissue(OPERATOR, NOW, 1_048_576)
 
 
+def heartbeat() -> bytes:
+    return signed_message(
+        OLD_KEY,
+        kind="heartbeat",
+        message_id="hb-1",
+        run_id="run-1",
+        shard="fast.0",
+        stage="render",
+        attempt=1,
+        fence="1.1",
+        issued_at_ms=FIRST,
+    )
+
+
 def result(n: int, signer: Signer = OLD_KEY, issued_at_ms: int = FIRST) -> bytes:
     return shard_containers.result(n, signer, issued_at_ms)
 
@@ -49,32 +63,12 @@ def test_a_forgery_is_never_signed_again() -> None:
 
 
 def test_an_acceptance_or_heartbeat_is_never_issued_again() -> None:
-    beat = signed_message(
-        OLD_KEY,
-        kind="heartbeat",
-        message_id="hb-1",
-        run_id="run-1",
-        shard="fast.0",
-        stage="render",
-        attempt=1,
-        fence="1.1",
-        issued_at_ms=FIRST,
-    )
+    beat = heartbeat()
     assert reissued(beat, {}, REISSUE) == (beat, {}, False)
 
 
 def test_a_heartbeat_batched_with_a_result_is_left_out_and_the_result_issued_again() -> None:
-    beat = signed_message(
-        OLD_KEY,
-        kind="heartbeat",
-        message_id="hb-1",
-        run_id="run-1",
-        shard="fast.0",
-        stage="render",
-        attempt=1,
-        fence="1.1",
-        issued_at_ms=FIRST,
-    )
+    beat = heartbeat()
     container = batch.pack([result(1), beat], "result-1")
     body, headers, again = reissued(container.body, container.headers, REISSUE)
     assert again and not batch.is_container(headers)
