@@ -14,6 +14,7 @@ tests skip it.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -156,8 +157,9 @@ def report_id(fields: Mapping[str, Any]) -> str | None:
 
 
 def sign(signer: Signer, fields: Mapping[str, Any]) -> bytes:
-    """The wire bytes, signed as the publisher signs (no model: invalid fields reach the envelope check)."""
-    return signed_message(signer, **fields)
+    """The wire bytes, signed as the publisher signs (no model: invalid fields reach the envelope check),
+    issued now: a stale message would be refused for its age before any check this garbage is for."""
+    return signed_message(signer, **{"issued_at_ms": int(time.time() * 1000), **fields})
 
 
 def is_legitimate(fields: Mapping[str, Any], run: RunSnapshot, target: Target) -> bool:
