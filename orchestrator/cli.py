@@ -663,8 +663,7 @@ def dead_letters_replay(
         done = _run_remote(remote.request("POST", "/dead-letters/replay", body=body))["replayed"]
     else:
         queues = _dead_letter_queues(queue, modules, registry_file)
-        # an old letter is issued again only when an operator names it: --all sends each as it was
-        reissue = deadletters.replay_reissue(load_settings()) if message_id is not None else None
+        reissue = deadletters.replay_reissue(load_settings(), message_id)
         replayed = _on_broker(
             lambda c: deadletters.replay(c, queues, message_id, reissue, missing_ok=queue is None)
         )

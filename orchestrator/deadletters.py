@@ -314,8 +314,13 @@ def describe(
     )
 
 
-def replay_reissue(settings: Settings) -> Reissue:
-    """How this process issues replayed letters again: with its signing key, as of now."""
+def replay_reissue(settings: Settings, message_id: str | None) -> Reissue | None:
+    """How this process issues the letters of a replay again: with its signing key, as of now. Only a
+    letter an operator names (``message_id``); None for a replay of every letter, which sends each as it
+    was: where a letter came from is an unsigned header, so anyone who can publish to the broker could
+    park a captured old message there."""
+    if message_id is None:
+        return None
     return Reissue(
         Signer.from_settings(settings.signing_keys), int(time.time() * 1000), settings.max_message_bytes
     )

@@ -15,7 +15,7 @@ from orchestrator.compiler.limits import AdmissionLimits
 from orchestrator.dsl.expressions import ExpressionLimits
 from orchestrator.dsl.yaml_source import YamlLimits
 from orchestrator.loops import EventLoopChoice
-from orchestrator.wire.freshness import Freshness, default_message_window
+from orchestrator.wire.freshness import Freshness
 from orchestrator.wire.sizes import DEFAULT_BAG_WINDOW, Limits
 
 DEFAULT_CONTRACT_MODULES = ("workers.demo",)
@@ -240,20 +240,19 @@ class Settings(BaseSettings):
     @classmethod
     def _window_ends_before_records_expire(cls, skew: int, info: ValidationInfo) -> int:
         # on the last of the three fields, so that an error names it and shows only its value
-        window, retention = info.data.get("message_window_ms"), info.data.get("retention_ms")
-        if retention is not None:
-            effective = default_message_window(retention) if window is None else window
-            problem = Freshness(effective, clock_skew_ms=skew).check_against(retention)
+        retention, liveness = info.data.get("retention_ms"), info.data.get("liveness_window_ms")
+        if retention is not None and liveness is not None:
+            windows = Freshness.for_retention(retention, info.data.get("message_window_ms"), liveness, skew)
+            problem = windows.check_against(retention)
             if problem is not None:
                 raise ValueError(problem)
         return skew
 
     def freshness(self) -> Freshness:
         """How old a message a shard takes may be, by kind."""
-        window = self.message_window_ms
-        if window is None:
-            window = default_message_window(self.retention_ms)
-        return Freshness(window, self.liveness_window_ms, self.clock_skew_ms)
+        return Freshness.for_retention(
+            self.retention_ms, self.message_window_ms, self.liveness_window_ms, self.clock_skew_ms
+        )
 
     @property
     def separate_approver_required(self) -> bool:

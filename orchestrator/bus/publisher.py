@@ -66,13 +66,8 @@ def message_bytes(message: Outgoing, signer: Signer, now_ms: int) -> bytes:
 def outgoing_from_payload(payload: Mapping[str, Any]) -> Outgoing:
     """Rebuild an outbox entry (as stored by the transition) for the relay."""
     route = payload["route"]
-    deadline = payload.get("deadline_ms")
     return Outgoing(
-        payload["id"],
-        payload["kind"],
-        (route[0], route[1]),
-        payload["body"],
-        deadline if isinstance(deadline, int) and not isinstance(deadline, bool) else None,
+        payload["id"], payload["kind"], (route[0], route[1]), payload["body"], payload.get("deadline_ms")
     )
 
 

@@ -41,7 +41,8 @@ def reissued(
     body: bytes, headers: Mapping[str, Any] | None, reissue: Reissue
 ) -> tuple[bytes, dict[str, Any], bool]:
     """``body`` and ``headers`` of a replayed letter, and whether it was issued again: every envelope in it
-    signed again as issued now, or both as they were when any does not verify or reports liveness."""
+    signed again as issued now, acceptances and heartbeats left out; or both as they were when any does
+    not verify, or when it holds nothing else."""
     kept = dict(headers or {})
     try:
         raws = batch.unpack(body, kept, reissue.max_bytes) if batch.is_container(kept) else [body]

@@ -107,8 +107,7 @@ async def replay(body: Replay, request: Request, _: DeadLetterHandler) -> dict[s
             c,
             qs,
             body.message_id,
-            # an old letter is issued again only when named: "all" sends each as it was
-            deadletters.replay_reissue(request.app.state.settings) if body.message_id is not None else None,
+            deadletters.replay_reissue(request.app.state.settings, body.message_id),
             missing_ok=body.queue is None,
         ),
     )

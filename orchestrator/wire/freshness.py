@@ -40,16 +40,22 @@ FUTURE = "future-dated"
 DEFAULT_MESSAGE_WINDOW_MS = 86_400_000
 
 
-def default_message_window(retention_ms: int) -> int:
-    """The message window where none is set: a day, or half the retention if that is shorter."""
-    return min(DEFAULT_MESSAGE_WINDOW_MS, retention_ms // 2)
-
-
 @dataclass(frozen=True)
 class Freshness:
     message_window_ms: int = DEFAULT_MESSAGE_WINDOW_MS
     liveness_window_ms: int = 300_000
     clock_skew_ms: int = 30_000
+
+    @classmethod
+    def for_retention(
+        cls, retention_ms: int, message_window_ms: int | None, liveness_window_ms: int, clock_skew_ms: int
+    ) -> Freshness:
+        """The windows of runs kept ``retention_ms``: an unset message window is a day, or half the
+        retention if that is shorter."""
+        window = message_window_ms
+        if window is None:
+            window = min(DEFAULT_MESSAGE_WINDOW_MS, retention_ms // 2)
+        return cls(window, liveness_window_ms, clock_skew_ms)
 
     def window_ms(self, kind: Kind) -> int | None:
         """How old a message of ``kind`` may be when a shard takes it; None: shards take no such kind."""
