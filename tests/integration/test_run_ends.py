@@ -133,6 +133,16 @@ def test_a_subscription_redis_dropped_is_restored_before_the_run_ends(stack: Sta
     asyncio.run(main())
 
 
+async def _started(store: RedisStore, signer: Signer, run_id: str, context: dict[str, str]) -> None:
+    """A model-ingest run ``run_id`` created on shard fast.0 by the shard's processor, as a start makes it
+    (the library loaded and the definition published first)."""
+    await store.load_library()
+    plan = compile_yaml((DEFINITIONS / "model-ingest.yaml").read_text())
+    await publish_active(store, plan)
+    start = start_envelope(signer, run_id, "model-ingest", plan.digest, context)
+    await Processor(store, lambda: int(time.time() * 1000)).handle_batch("fast.0", [start])
+
+
 def test_a_run_failed_by_a_poison_message_is_announced() -> None:
     prefix = f"t{uuid.uuid4().hex}"
     signer = Signer.from_settings((DEVELOPMENT_SIGNING_KEY,))
@@ -142,11 +152,7 @@ def test_a_run_failed_by_a_poison_message_is_announced() -> None:
         store = RedisStore(client, prefix=prefix)
         ends = client.pubsub(ignore_subscribe_messages=True)
         try:
-            await store.load_library()
-            plan = compile_yaml((DEFINITIONS / "model-ingest.yaml").read_text())
-            await publish_active(store, plan)
-            start = start_envelope(signer, "poisoned", "model-ingest", plan.digest, {"modelId": "p"})
-            await Processor(store, lambda: int(time.time() * 1000)).handle_batch("fast.0", [start])
+            await _started(store, signer, "poisoned", {"modelId": "p"})
             await ends.subscribe(finished_channel(prefix, "poisoned"))
             assert await store.poison("fast.0", "poisoned", "poison-1", "test", int(time.time() * 1000)) == 0
             async with asyncio.timeout(TIMEOUT_S):
@@ -263,11 +269,7 @@ def test_a_store_that_may_not_publish_still_commits_a_runs_end_and_its_refusals(
         client = aioredis.Redis.from_url(url, decode_responses=True)
         store = RedisStore(client, prefix=prefix)
         try:
-            await store.load_library()
-            plan = compile_yaml((DEFINITIONS / "model-ingest.yaml").read_text())
-            await publish_active(store, plan)
-            start = start_envelope(signer, "muted", "model-ingest", plan.digest, {"modelId": "m"})
-            await Processor(store, lambda: int(time.time() * 1000)).handle_batch("fast.0", [start])
+            await _started(store, signer, "muted", {"modelId": "m"})
             assert await store.poison("fast.0", "muted", "poison-1", "test", int(time.time() * 1000)) == 0
             assert await client.hget(store.keys("fast.0").run("muted"), "status") == "failed"
             await store.record_refusal("refused-muted", UNKNOWN_DIGEST, None, "not published", 0)
