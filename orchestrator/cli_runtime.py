@@ -20,12 +20,12 @@ import click
 from orchestrator import gc_tuning, health, logs, loops, metrics
 from orchestrator.bus import names
 from orchestrator.bus.connect import connect_robust, untracked_channel
-from orchestrator.bus.envelope import Signer
 from orchestrator.bus.publisher import Publisher
 from orchestrator.cli_errors import SERVICE_ERRORS, CliError, CodedUsageError, unreachable
 from orchestrator.cli_options import metrics_options
 from orchestrator.client import Client, RedriveRefused
 from orchestrator.durability import DurabilityRefused, Role, check_startup
+from orchestrator.keys.reload import signer_for, start_reloading
 from orchestrator.observe import RunFilter, list_runs
 from orchestrator.reconcile import Reconciler, Report
 from orchestrator.remote import Remote, remote_client
@@ -195,16 +195,19 @@ def orchestrator(
             return [shard for shard, owner in owners(current, live).items() if owner == me]
 
         following = not shards  # --shards pins; otherwise the map and the other members are followed
+        signer = signer_for(settings)
+        stop_reloading = start_reloading(signer, settings)
         service = ShardService(
             connection,
             store,
-            Signer.from_settings(settings.signing_keys),
+            signer,
             [] if following else shard_ids,  # a follower's share comes with its first reading
             options,
             follow=follow if following else None,
         )
 
         async def cleanup() -> None:
+            await stop_reloading()
             if following:
                 with contextlib.suppress(Exception):  # else its lease ends in a few seconds anyway
                     await membership.leave(client, settings.key_prefix, list(classes), me)
@@ -315,11 +318,13 @@ def worker(
             if serial
             else None
         )
+        signer = signer_for(settings)
+        stop_reloading = start_reloading(signer, settings)
         runtime = WorkerRuntime(
             connection,
             handlers,
             serving,
-            Signer.from_settings(settings.signing_keys),
+            signer,
             names=settings.names(),
             lane=None
             if lane_redis is None
@@ -334,6 +339,7 @@ def worker(
         )
 
         async def cleanup() -> None:
+            await stop_reloading()
             await connection.close()
             await registry_redis.aclose()
             if lane_redis is not None:
@@ -581,7 +587,7 @@ def reconcile(dry_run: bool, min_age_s: float, stranded_after_s: float, as_json:
         try:
             channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
             store = RedisStore(client, settings.key_prefix, settings.retention_ms)
-            signer = Signer.from_settings(settings.signing_keys)
+            signer = signer_for(settings)
             reconciler = Reconciler(
                 store,
                 Processor(store, lambda: int(time.time() * 1000), settings.limits()),

@@ -15,7 +15,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -34,6 +34,7 @@ from orchestrator.engine.plan import Plan, typed_plan
 from orchestrator.errors import SagaError
 from orchestrator.governance.lifecycle import DefinitionNotFound, DefinitionState, VersionRecord, choose
 from orchestrator.governance.store import definition_key, names_key, parse_state
+from orchestrator.keys.reload import RingFollower, signer_for, start_reloading
 from orchestrator.run_ends import CONFIRM_TIMEOUT_S, Ending, RunEnds, parse_ending
 from orchestrator.settings import Settings, redis_client
 from orchestrator.store import shardmap_store
@@ -468,7 +469,8 @@ class Client:
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self.signer = Signer.from_settings(settings.signing_keys)
+        self.signer = signer_for(settings)
+        self._stop_reloading: Callable[[], Awaitable[None]] | None = None
         self.redis = redis_client(settings)
         self._plans = ActivePlans()
         self._connection: aio_pika.abc.AbstractRobustConnection | None = None
@@ -487,9 +489,12 @@ class Client:
         self._publisher = Publisher(
             first, self.signer, self.settings.names(), renew_with=lambda: untracked_channel(connection)
         )
+        self._stop_reloading = start_reloading(self.signer, self.settings)
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        if self._stop_reloading is not None:
+            await self._stop_reloading()
         if self._ends is not None:
             await self._ends.close()
         if self._publisher is not None:
@@ -743,7 +748,8 @@ class SyncClient:
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self.signer = Signer.from_settings(settings.signing_keys)
+        self.signer = signer_for(settings)
+        self._ring = RingFollower(self.signer, settings)  # no event loop: checked before each signing
         self.redis = sync_client(settings.redis_url, decode_responses=True)
         self._plans = ActivePlans()
         self._connection = pika.BlockingConnection(blocking_parameters(settings.amqp_url))
@@ -796,6 +802,7 @@ class SyncClient:
         """As :meth:`Client.start`, blocking."""
         run_id = run_id_for(definition, idempotency_key)
         plan = self._plan_of(definition, run_id, version)
+        self._ring.check()
         envelope = checked_start(self.signer, self.settings, plan, definition, run_id, context)
         claim = self._claim(envelope, idempotency_key)
         try:

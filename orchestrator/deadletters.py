@@ -52,11 +52,11 @@ from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractQueue
 from pamqp import commands as spec
 
 from orchestrator.bus import batch
-from orchestrator.bus.envelope import Signer
 from orchestrator.bus.names import DLQ_SUFFIX, Names
 from orchestrator.bus.reissue import Reissue, reissued
 from orchestrator.bus.topology import Topology
 from orchestrator.errors import SagaError
+from orchestrator.keys.reload import signer_for
 from orchestrator.settings import Settings
 
 #: Headers ``Publisher.reject`` sets on a message it parks on saga.rejected.
@@ -321,9 +321,7 @@ def replay_reissue(settings: Settings, message_id: str | None) -> Reissue | None
     park a captured old message there."""
     if message_id is None:
         return None
-    return Reissue(
-        Signer.from_settings(settings.signing_keys), int(time.time() * 1000), settings.max_message_bytes
-    )
+    return Reissue(signer_for(settings), int(time.time() * 1000), settings.max_message_bytes)
 
 
 def replay_target(letter: DeadLetter) -> str:

@@ -15,11 +15,13 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from enum import StrEnum
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import redis
 
 from orchestrator.errors import SagaError
+from orchestrator.keys.ringfile import load_ring
 from orchestrator.settings import DEVELOPMENT_SIGNING_SECRET, Settings
 from orchestrator.store.connect import (
     BadRedisUrl,
@@ -228,8 +230,19 @@ def gather(settings: Settings, role: Role) -> Facts:
         aof_enabled=aof_enabled,
         appendfsync=appendfsync,
         redis_error=error,
-        development_keys=development_key_ids(settings.signing_keys),
+        development_keys=_development_keys(settings),
     )
+
+
+def _development_keys(settings: Settings) -> tuple[str, ...]:
+    """Ids of the keys this process holds whose secret is the development default: of its key ring if it
+    has one (a ring that cannot be read raises KeyRingError, which stops the process), else of
+    SAGA_SIGNING_KEYS."""
+    if settings.key_ring_file is None:
+        return development_key_ids(settings.signing_keys)
+    ring = load_ring(Path(settings.key_ring_file), settings.key_retire_grace_ms)
+    default = DEVELOPMENT_SIGNING_SECRET.encode()
+    return tuple(k.key_id for k in ring.held() if k.secret == default)
 
 
 def check_startup(settings: Settings, role: Role) -> Verdict:

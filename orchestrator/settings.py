@@ -96,6 +96,17 @@ class Settings(BaseSettings):
         (DEVELOPMENT_SIGNING_KEY,),
         description="id:secret pairs, comma-separated; the first signs, all verify (rotation)",
     )
+    key_ring_file: str | None = Field(
+        None,
+        description="a key ring file (saga keys): scoped keys, their states and where their secrets are; "
+        "set, it replaces SAGA_SIGNING_KEYS, and running processes reload it when it changes or on SIGHUP",
+    )
+    key_retire_grace_ms: int = Field(
+        3_600_000,
+        ge=0,
+        description="how long a retired key still verifies, so that what it signed and is still in flight "
+        "is taken: at least the longest a message waits in a queue (a result held through an outage)",
+    )
     max_message_bytes: int = Field(
         1_048_576,
         ge=16_384,

@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from collections.abc import Mapping
-from dataclasses import dataclass
+import time
+from collections.abc import Callable
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from orchestrator.errors import SagaError
 from orchestrator.jsontext import canonical_bytes
+from orchestrator.keys.ring import NoSigningKey, Ring, RingKey, Scope, out_of_scope, unscoped_ring
 from orchestrator.wire.kinds import Kind
 
 # Identity fields travel as AMQP properties and routing keys (short strings of at most 255 bytes) and
@@ -68,42 +69,79 @@ def canonical(envelope: Envelope) -> bytes:
     return canonical_bytes(envelope.model_dump(mode="json", exclude={"signature"}))
 
 
-@dataclass(frozen=True)
-class Signer:
-    """Signs with the first key and verifies with any: add a key first to rotate, drop the old one
-    once no message signed with it can still be in flight."""
+def wall_ms() -> int:
+    return int(time.time() * 1000)
 
-    keys: Mapping[str, bytes]
-    active: str
+
+class Signer:
+    """Signs and verifies with a key ring (``orchestrator.keys``). The ring can be replaced while the
+    process runs (a reload), so it is read once per call: a message is signed and verified against one
+    ring, never half of one and half of the next."""
+
+    def __init__(self, ring: Ring, clock_ms: Callable[[], int] = wall_ms) -> None:
+        self.ring = ring
+        self.clock_ms = clock_ms  # read only to tell whether a retired key still verifies
 
     @classmethod
     def from_settings(cls, pairs: tuple[str, ...]) -> Signer:
+        """Unscoped ``id:secret`` keys (``SAGA_SIGNING_KEYS``): the first signs, all verify."""
         keys: dict[str, bytes] = {}
         for pair in pairs:
             key_id, sep, secret = pair.partition(":")
             if not sep or not key_id or not secret:
                 raise SagaError(f"signing key {key_id or pair!r} is not 'id:secret'; set SAGA_SIGNING_KEYS")
             keys[key_id] = secret.encode()
-        return cls(keys, pairs[0].partition(":")[0])
+        return cls(unscoped_ring(keys))
 
-    def sign(self, envelope: Envelope) -> Envelope:
-        unsigned = envelope.model_copy(update={"key_id": self.active, "signature": ""})
-        return unsigned.model_copy(update={"signature": self.mac(self.active, canonical(unsigned))})
+    def key_for(
+        self, kind: Kind | str, contract: str | None = None, scopes: frozenset[Scope] | None = None
+    ) -> RingKey:
+        """The key that signs a ``kind`` message about ``contract`` (of one of ``scopes``, if given);
+        raises SagaError if this process holds none."""
+        try:
+            return self.ring.signing_key(kind, contract, scopes)
+        except NoSigningKey as exc:
+            raise SagaError(str(exc)) from None
+
+    def sign(self, envelope: Envelope, scopes: frozenset[Scope] | None = None) -> Envelope:
+        """``envelope`` signed by the key for its kind and contract (of one of ``scopes``, if given)."""
+        key = self.key_for(envelope.kind, envelope.contract, scopes)
+        update: dict[str, Any] = {"key_id": key.key_id, "signature": ""}
+        if key.tenant is not None:
+            update["tenant"] = key.tenant  # a client key's messages are its tenant's, whatever was asked
+        unsigned = envelope.model_copy(update=update)
+        return unsigned.model_copy(update={"signature": _mac(key, canonical(unsigned))})
 
     def signed(self, envelope: Envelope, text: bytes) -> bool:
-        """Whether ``text`` is what signed ``envelope``: its signature is the MAC of exactly these bytes."""
-        if envelope.key_id not in self.keys:
+        """Whether ``text`` is what signed ``envelope``: its signature is the MAC of exactly these bytes,
+        under a key of this ring that still verifies, whose scope admits the message."""
+        key = self.ring.verifying_key(envelope.key_id, self.clock_ms())
+        if isinstance(key, tuple) or not hmac.compare_digest(_mac(key, text), envelope.signature):
             return False
-        return hmac.compare_digest(self.mac(envelope.key_id, text), envelope.signature)
+        return out_of_scope(key, envelope.kind, envelope.contract, envelope.tenant) is None
 
     def verify(self, envelope: Envelope) -> None:
-        if envelope.key_id not in self.keys:
-            raise EnvelopeRejected("unknown-key", f"key id {envelope.key_id!r} is not configured")
-        if not self.signed(envelope, canonical(envelope)):
+        key = self.ring.verifying_key(envelope.key_id, self.clock_ms())
+        if isinstance(key, tuple):
+            reason, why = key
+            raise EnvelopeRejected(reason, f"message {envelope.message_id}: {why}")
+        if not hmac.compare_digest(_mac(key, canonical(envelope)), envelope.signature):
             raise EnvelopeRejected("bad-signature", f"message {envelope.message_id} has a bad signature")
+        scope = out_of_scope(key, envelope.kind, envelope.contract, envelope.tenant)
+        if scope is not None:
+            raise EnvelopeRejected("out-of-scope", f"message {envelope.message_id}: {scope}")
 
     def mac(self, key_id: str, text: bytes) -> str:
-        return hmac.new(self.keys[key_id], text, hashlib.sha256).hexdigest()
+        """The MAC of ``text`` under key ``key_id`` of this ring (which this process holds)."""
+        key = self.ring.get(key_id)
+        if key is None or key.secret is None:
+            raise SagaError(f"key id {key_id!r} is not in this process's key ring")
+        return _mac(key, text)
+
+
+def _mac(key: RingKey, text: bytes) -> str:
+    assert key.secret is not None, "only keys this process holds sign or verify"
+    return hmac.new(key.secret, text, hashlib.sha256).hexdigest()
 
 
 _DEFAULTS: dict[str, Any] = {
@@ -118,12 +156,16 @@ def signed_message(signer: Signer, **fields: Any) -> bytes:
 
     The canonical form is the same one :func:`canonical` computes from a model (every field, defaults
     filled, sorted keys), so :func:`decode` verifies it like any other envelope."""
-    data = {**_DEFAULTS, **fields, "key_id": signer.active}
+    data = {**_DEFAULTS, **fields}
     data.pop("signature", None)
     if isinstance(data.get("kind"), Kind):
         data["kind"] = data["kind"].value
+    key = signer.key_for(data["kind"], data.get("contract"))
+    data["key_id"] = key.key_id
+    if key.tenant is not None:
+        data["tenant"] = key.tenant
     text = canonical_bytes(data)
-    return _with_signature(text, signer.mac(signer.active, text))
+    return _with_signature(text, _mac(key, text))
 
 
 def encode(envelope: Envelope) -> bytes:

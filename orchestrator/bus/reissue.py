@@ -9,9 +9,12 @@ issued), so whoever reads it, or finds it dead-lettered again, knows it was repl
 
 A letter holding anything that does not verify (a forgery, a malformed or truncated message: what
 saga.rejected collects), or an acceptance or heartbeat, is not signed again: it goes back as it was, and
-is refused as before. Only a letter an operator names is issued again (``saga dead-letters replay ID``;
-``--all`` sends each as it was): the headers that say where a letter came from are not signed, so anyone
-who can publish to the broker could park a captured old message there. Pure.
+is refused as before; so is one whose kind a replaying key may not sign (a task, a finished event: for
+workers and clients, not shards). It is signed again by an operator's, the server's or an unscoped key
+(``keys.ring.REPLAYERS``), never by a client's or a worker's that the process may also hold. Only a
+letter an operator names is issued again (``saga dead-letters replay ID``; ``--all`` sends each as it
+was): the headers that say where a letter came from are not signed, so anyone who can publish to the
+broker could park a captured old message there. Pure.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from typing import Any
 
 from orchestrator.bus import batch
 from orchestrator.bus.envelope import EnvelopeRejected, Signer, decode, encode
+from orchestrator.keys.ring import REPLAYERS, SHARD_INBOUND
 from orchestrator.wire.freshness import LIVENESS_KINDS
 
 REISSUED_BY_HEADER = "x-saga-reissued-by"
@@ -52,13 +56,15 @@ def reissued(
     # old news of an attempt, left out (a worker batches them with its results): issued again, a heartbeat
     # could keep a dead attempt looking alive
     envelopes = [e for e in envelopes if e.kind not in LIVENESS_KINDS]
-    if not envelopes:
+    if not envelopes or any(e.kind not in SHARD_INBOUND for e in envelopes):
         return body, kept, False
     # a letter replayed before says when it was first issued; else its envelopes do
     first = kept.get(FIRST_ISSUED_HEADER) or min(e.issued_at_ms for e in envelopes)
-    again = [
-        encode(reissue.signer.sign(e.model_copy(update={"issued_at_ms": reissue.now_ms}))) for e in envelopes
+    signed = [
+        reissue.signer.sign(e.model_copy(update={"issued_at_ms": reissue.now_ms}), REPLAYERS)
+        for e in envelopes
     ]
+    again = [encode(e) for e in signed]
     for name in batch.HEADERS:
         kept.pop(name, None)
     if len(again) == 1:
@@ -67,4 +73,4 @@ def reissued(
         container = batch.pack(again, envelopes[0].message_id)
         body = container.body
         kept.update(container.headers)
-    return body, {**kept, REISSUED_BY_HEADER: reissue.signer.active, FIRST_ISSUED_HEADER: first}, True
+    return body, {**kept, REISSUED_BY_HEADER: signed[0].key_id, FIRST_ISSUED_HEADER: first}, True

@@ -88,6 +88,13 @@ def advance(
     if claimed and claimed != run.digest:
         why = f"names plan {claimed}, but the run is pinned to {run.digest}"
         return rejected(Verdict.INVALID, why, getattr(event, "stage", None))
+    contract = getattr(event, "contract", "")
+    if contract:
+        dispatched = dispatched_contract(plan, event)
+        if dispatched is not None and contract != dispatched:
+            # a worker key signs only for its pool's contracts: a report must be for a task of one of them
+            why = f"names contract {contract}, but its task was for {dispatched}"
+            return rejected(Verdict.INVALID, why, getattr(event, "stage", None))
     handler: Callable[[Step, Any], Decision] = _HANDLERS[type(event)]
     return handler(Step(plan, digest, run, now_ms, limits=limits), event)
 
@@ -445,3 +452,16 @@ _HANDLERS: dict[type, Callable[[Step, Any], Decision]] = {
     Nudge: nudge.nudge,
     Redrive: redrive.redrive,
 }
+
+
+def dispatched_contract(plan: Plan, event: Event) -> str | None:
+    """The contract (``name@version``) ``plan`` sends the task ``event`` reports on to (None: not a
+    report, or one naming no task of the plan, refused on its own)."""
+    if isinstance(event, FinaliserResult):
+        return plan.finalisers[event.index] if 0 <= event.index < len(plan.finalisers) else None
+    if isinstance(event, CompensationResult):
+        return plan.compensable.get(event.stage)
+    if isinstance(event, (StageResult, StageAccepted, StageHeartbeat)):
+        stage = plan.work(event.stage)
+        return stage.contract if stage is not None else None
+    return None

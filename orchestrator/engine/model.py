@@ -112,6 +112,7 @@ class StageResult:
     digest: str = ""  # the plan the dispatch named; a mismatch is refused
     retryable: bool = True  # the worker's verdict on a failure: may another attempt succeed?
     cancelled: bool = False  # the handler stopped because cancellation was requested
+    contract: str = ""  # the contract the report names (name@version); one its task was not for is refused
 
 
 @dataclass(frozen=True)
@@ -124,6 +125,7 @@ class StageAccepted:
     attempt: int
     fence: str
     digest: str = ""
+    contract: str = ""  # the contract the report names (name@version); one its task was not for is refused
 
 
 @dataclass(frozen=True)
@@ -136,6 +138,7 @@ class StageHeartbeat:
     fence: str
     digest: str = ""
     issued_at_ms: int | None = None  # when its worker sent it (None: a beat with no time, always taken)
+    contract: str = ""  # the contract the report names (name@version); one its task was not for is refused
 
 
 class Clock(StrEnum):
@@ -198,6 +201,7 @@ class FinaliserResult:
     result: Any = None
     error: str | None = None
     digest: str = ""
+    contract: str = ""  # the contract the report names (name@version); one its task was not for is refused
 
 
 @dataclass(frozen=True)
@@ -212,6 +216,7 @@ class CompensationResult:
     error: str | None = None
     digest: str = ""
     result: Any = None  # checked against the compensation contract's output schema, then dropped
+    contract: str = ""  # the contract the report names (name@version); one its task was not for is refused
 
 
 @dataclass(frozen=True)

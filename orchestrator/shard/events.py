@@ -40,7 +40,9 @@ def to_event(envelope: Envelope) -> Event | str:
         return f"a {envelope.kind.value} must name its stage and fence"
     attempt = envelope.attempt or 0
     if envelope.kind is Kind.ACCEPTED:
-        return StageAccepted(envelope.message_id, envelope.stage, attempt, envelope.fence, envelope.digest)
+        return StageAccepted(
+            envelope.message_id, envelope.stage, attempt, envelope.fence, envelope.digest, _contract(envelope)
+        )
     if envelope.kind is Kind.HEARTBEAT:
         return StageHeartbeat(
             envelope.message_id,
@@ -49,6 +51,7 @@ def to_event(envelope: Envelope) -> Event | str:
             envelope.fence,
             envelope.digest,
             envelope.issued_at_ms,
+            _contract(envelope),
         )
     if envelope.kind is Kind.RELEASE:
         return BarrierReleased(envelope.message_id, envelope.stage, envelope.fence)
@@ -88,14 +91,29 @@ def _result(envelope: Envelope, body: ResultBody) -> Event | str:
             return f"a compensation's fence is '<epoch>.c<index>', not {fence!r}"
         name = stage.removeprefix(ids.COMPENSATION_PREFIX)
         return CompensationResult(
-            envelope.message_id, name, index, fence, body.ok, body.error, envelope.digest, body.result
+            envelope.message_id,
+            name,
+            index,
+            fence,
+            body.ok,
+            body.error,
+            envelope.digest,
+            body.result,
+            _contract(envelope),
         )
     if stage.startswith(ids.FINALISER_PREFIX):
         position = ids.parse_finaliser_label(stage)
         if position is None:
             return f"a finaliser's stage label is 'finaliser:<index>', not {stage!r}"
         return FinaliserResult(
-            envelope.message_id, position, fence, body.ok, body.result, body.error, envelope.digest
+            envelope.message_id,
+            position,
+            fence,
+            body.ok,
+            body.result,
+            body.error,
+            envelope.digest,
+            _contract(envelope),
         )
     return StageResult(
         envelope.message_id,
@@ -109,4 +127,9 @@ def _result(envelope: Envelope, body: ResultBody) -> Event | str:
         envelope.digest,
         retryable=body.retryable,
         cancelled=body.cancelled,
+        contract=_contract(envelope),
     )
+
+
+def _contract(envelope: Envelope) -> str:
+    return envelope.contract or ""

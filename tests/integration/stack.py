@@ -25,11 +25,12 @@ from urllib.parse import quote
 import aio_pika
 
 from orchestrator.bus.connect import connect_once
-from orchestrator.bus.envelope import Envelope, Signer, encode
+from orchestrator.bus.envelope import Envelope, encode
 from orchestrator.compiler import CompiledPlan
 from orchestrator.contracts import Registry
 from orchestrator.governance.service import publish_verb
 from orchestrator.governance.store import DefinitionStore, definition_key, parse_state
+from orchestrator.keys.reload import signer_for
 from orchestrator.provision import provision
 from orchestrator.settings import Settings
 from orchestrator.store.connect import sync_client
@@ -113,7 +114,7 @@ class Stack:
         )
         self.redis = sync_client(self.settings.redis_url, decode_responses=True)
         self.world = DemoWorld(self.redis, self.prefix)
-        self.signer = Signer.from_settings(self.settings.signing_keys)
+        self.signer = signer_for(self.settings)
         self.rabbitmq_node = rabbitmq_node
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
         self.logs = Path(f"/tmp/{self.vhost}")
@@ -249,14 +250,16 @@ class Stack:
         """``rabbitmqctl ARGS`` on the broker (or cluster node) this stack uses."""
         return rabbitmqctl(*args, node=self.rabbitmq_node)
 
-    def publish_raw(self, exchange: str, routing_key: str, body: bytes) -> None:
+    def publish_raw(
+        self, exchange: str, routing_key: str, body: bytes, headers: dict[str, Any] | None = None
+    ) -> None:
         async def go() -> None:
             connection = await connect_once(self.settings.amqp_url)
             try:
                 channel = await connection.channel(publisher_confirms=True)
                 target = await channel.get_exchange(exchange, ensure=False)
                 await target.publish(
-                    aio_pika.Message(body, delivery_mode=aio_pika.DeliveryMode.PERSISTENT),
+                    aio_pika.Message(body, delivery_mode=aio_pika.DeliveryMode.PERSISTENT, headers=headers),
                     routing_key=routing_key,
                     mandatory=True,
                 )

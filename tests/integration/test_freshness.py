@@ -9,16 +9,14 @@ The stack keeps runs 10 s after they end and takes messages for 4 s, so a replay
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 
-from orchestrator.bus.envelope import Envelope, encode
+from orchestrator.bus.envelope import encode
 from orchestrator.bus.names import Names
 from orchestrator.client import RunNotFound, SyncClient, start_envelope
-from orchestrator.wire import ids
-from orchestrator.wire.kinds import Kind
 from tests.faults.invariants import assert_no_violations, check_runs
+from tests.integration.refusals import parked_at_least, parked_one, publish_result, run_keys
 from tests.integration.stack import Stack, now_ms, poll, running
 
 NAMES = Names()
@@ -38,60 +36,6 @@ def stack() -> Iterator[Stack]:
 def client(stack: Stack) -> Iterator[SyncClient]:
     with SyncClient(stack.settings) as c:
         yield c
-
-
-def run_keys(stack: Stack, run_id: str) -> dict[str, Any]:
-    """Every key of the run, with what it holds: compared before and after a refusal."""
-    shard = stack.shard_of(run_id)
-    found: dict[str, Any] = {}
-    for key in sorted(stack.redis.scan_iter(match=f"{stack.prefix}:{{{shard}}}:run:{run_id}*", count=1000)):
-        kind = stack.redis.type(key)
-        if kind == "hash":
-            found[key] = stack.redis.hgetall(key)
-        elif kind == "stream":
-            found[key] = stack.redis.xrange(key)
-        elif kind == "set":
-            found[key] = sorted(stack.redis.smembers(key))
-        else:
-            found[key] = kind
-    return found
-
-
-def parked(stack: Stack) -> list[dict[str, Any]]:
-    """What saga.rejected holds, oldest first."""
-    listing = stack.saga_json("dead-letters", "list", "--queue", NAMES.rejected_queue)
-    [queue] = listing["queues"]
-    return list(queue["messages"])
-
-
-def parked_at_least(stack: Stack, count: int) -> list[dict[str, Any]] | None:
-    found = parked(stack)
-    return found if len(found) >= count else None
-
-
-def parked_one(stack: Stack, message_id: str) -> dict[str, Any] | None:
-    return next((m for m in parked(stack) if m["message_id"] == message_id), None)
-
-
-def publish_result(stack: Stack, record: dict[str, str], run_id: str, issued_at_ms: int) -> Envelope:
-    """The genuine report of the run's publish stage, as its worker signed it, issued at ``issued_at_ms``."""
-    fence = record["s:publish:fence"]
-    envelope = stack.signer.sign(
-        Envelope(
-            kind=Kind.RESULT,
-            message_id=ids.result_id(ids.stage_task_id(run_id, "publish", fence, None, 1)),
-            run_id=run_id,
-            shard=record["shard"],
-            stage="publish",
-            attempt=1,
-            fence=fence,
-            digest=record["digest"],
-            issued_at_ms=issued_at_ms,
-            body={"ok": True, "result": {"catalogueId": "cat-x", "published": True}},
-        )
-    )
-    stack.publish_raw(NAMES.runs_exchange, record["shard"], encode(envelope))
-    return envelope
 
 
 def test_a_result_replayed_late_or_from_the_future_is_parked_and_changes_nothing(

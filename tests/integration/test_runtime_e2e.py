@@ -139,14 +139,14 @@ def test_a_message_passed_on_to_its_runs_shard_arrives_as_its_sender_signed_it(
     # When a straggler report that names no shard reaches another shard's queue, signed over text an
     # earlier release wrote (the standard library writes 1e-05 where this release writes 0.00001)
     result = {"faces": 1, "vertices": 1, "ratio": 1e-05}
-    straggler = metadata_straggler(record, run_id, result, key_id=stack.signer.active)
+    straggler = metadata_straggler(record, run_id, result, key_id=stack.signer.key_for(Kind.RESULT).key_id)
     text = json.dumps(
         straggler.model_dump(mode="json", exclude={"signature"}),
         sort_keys=True,
         separators=(",", ":"),
         ensure_ascii=False,
     ).encode()
-    mac = stack.signer.mac(stack.signer.active, text)
+    mac = stack.signer.mac(straggler.key_id, text)
     other = next(s for s in ("fast.0", "fast.1") if s != record["shard"])
     stack.publish_raw(NAMES.runs_exchange, other, text[:-1] + b',"signature":"' + mac.encode() + b'"}')
     # Then that shard passes it on as it came, and the run's own shard verifies it and records it late

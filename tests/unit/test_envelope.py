@@ -155,7 +155,7 @@ def test_rotation_verifies_old_messages_and_signs_with_the_new_key() -> None:
     rotated.verify(in_flight)  # a message signed before the rotation is still accepted
 
     fresh = rotated.sign(envelope())
-    assert rotated.active == "new"
+    assert rotated.key_for(Kind.RESULT).key_id == "new"
     assert fresh.key_id == "new"
     rotated.verify(fresh)
     assert fresh.signature != in_flight.signature
@@ -254,8 +254,8 @@ def test_signer_from_settings_rejects_pairs_without_id_and_secret(pairs: tuple[s
 
 def test_signer_from_settings_keeps_every_key_and_signs_with_the_first() -> None:
     signer = Signer.from_settings(("a:one", "b:two:with:colons"))
-    assert signer.active == "a"
-    assert signer.keys == {"a": b"one", "b": b"two:with:colons"}
+    assert signer.key_for(Kind.START).key_id == "a"
+    assert {k.key_id: k.secret for k in signer.ring.held()} == {"a": b"one", "b": b"two:with:colons"}
 
 
 def test_the_fast_signed_form_verifies_like_a_model_signed_one() -> None:
@@ -332,8 +332,8 @@ def test_a_message_an_earlier_release_signed_over_the_standard_librarys_text_sti
     signer: Signer,
 ) -> None:
     data = envelope(body={"ok": True, "result": {"p": 1e-05}}).model_dump(mode="json", exclude={"signature"})
-    data["key_id"] = signer.active
+    data["key_id"] = signer.key_for(Kind.RESULT).key_id
     text = json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
     assert b"1e-05" in text  # what orjson would have written differently
-    raw = text[:-1] + b',"signature":"' + signer.mac(signer.active, text).encode() + b'"}'
+    raw = text[:-1] + b',"signature":"' + signer.mac(data["key_id"], text).encode() + b'"}'
     assert decode(raw, signer, MAX).body["result"] == {"p": 1e-05}

@@ -304,7 +304,7 @@ def execute(handlers: dict[str, Handler], envelope: Envelope) -> Any:
             connection=None,  # type: ignore[arg-type]  # _execute needs no broker
             handlers=handlers,
             serving=[],
-            signer=Signer({"k": b"secret"}, "k"),
+            signer=Signer.from_settings(("k:secret",)),
         )
         with ThreadPoolExecutor(max_workers=1) as pool:
             task = TaskBody.of(envelope.body, envelope.message_id)

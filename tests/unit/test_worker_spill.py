@@ -52,7 +52,7 @@ def runtime(concurrency: int = 1) -> WorkerRuntime:
         connection=None,  # type: ignore[arg-type]  # nothing here touches the broker
         handlers={},
         serving=[],
-        signer=Signer({"k": b"secret"}, "k"),
+        signer=Signer.from_settings(("k:secret",)),
         concurrency=concurrency,
         spill_after_s=0.05,
     )

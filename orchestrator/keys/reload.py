@@ -1,0 +1,160 @@
+"""Running processes pick up a changed key ring without a restart.
+
+A process started with ``SAGA_KEY_RING_FILE`` checks once a second whether the ring file or any secret
+file it names changed (size, modification time, inode: a file replaced by ``saga keys`` or by a
+configuration tool), and reloads at once on SIGHUP. A reload replaces the signer's ring in one step; a
+ring that cannot be read is logged and the process keeps the one it has, so a bad edit never stops a
+process verifying.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from orchestrator.bus.envelope import Signer
+from orchestrator.keys.ring import Ring
+from orchestrator.keys.ringfile import KeyRingError, load_ring, read_ring_file, secret_path
+from orchestrator.settings import Settings
+
+log = logging.getLogger(__name__)
+
+POLL_S = 1.0
+
+Fingerprint = tuple[tuple[str, int, int, int] | tuple[str], ...]
+
+
+@dataclass(frozen=True)
+class RingSource:
+    """Where a process's ring comes from."""
+
+    path: Path
+    retire_grace_ms: int
+    environ: Mapping[str, str]
+
+    def load(self) -> Ring:
+        return load_ring(self.path, self.retire_grace_ms, self.environ)
+
+    def fingerprint(self) -> Fingerprint:
+        """What changes when the ring file or a secret file it names changes."""
+        paths = [self.path]
+        with contextlib.suppress(KeyRingError):
+            contents = read_ring_file(self.path)
+            paths += [p for e in contents.keys if (p := secret_path(self.path, e)) is not None]
+        return tuple(_stat(p) for p in paths)
+
+
+def _stat(path: Path) -> tuple[str, int, int, int] | tuple[str]:
+    try:
+        found = path.stat()
+    except OSError:
+        return (str(path),)
+    return str(path), found.st_size, found.st_mtime_ns, found.st_ino
+
+
+def source_of(settings: Settings) -> RingSource | None:
+    if settings.key_ring_file is None:
+        return None
+    return RingSource(Path(settings.key_ring_file), settings.key_retire_grace_ms, os.environ)
+
+
+def signer_for(settings: Settings) -> Signer:
+    """The process's signer: the key ring file's keys if ``SAGA_KEY_RING_FILE`` is set, else the unscoped
+    ``SAGA_SIGNING_KEYS``. Raises KeyRingError (what is wrong with the file) or SagaError."""
+    source = source_of(settings)
+    if source is None:
+        return Signer.from_settings(settings.signing_keys)
+    ring = source.load()
+    log.info("key ring %s: %s", source.path, describe(ring))
+    return Signer(ring)
+
+
+def describe(ring: Ring) -> str:
+    held = [f"{k.key_id} ({k.scope.value}, {k.state.value})" for k in ring.held()]
+    missing = [k.key_id for k in ring.keys if k.secret is None]
+    text = f"holding {', '.join(held) or 'no key'}"
+    return text + (f"; not holding {', '.join(missing)}" if missing else "")
+
+
+def reload(signer: Signer, source: RingSource) -> bool:
+    """Replace ``signer``'s ring with the file's; False (logged, the old ring kept) if it cannot be read."""
+    try:
+        ring = source.load()
+    except KeyRingError as exc:
+        log.error("key ring not reloaded, the previous one stays in use: %s", exc)
+        return False
+    signer.ring = ring
+    log.info("key ring %s reloaded: %s", source.path, describe(ring))
+    return True
+
+
+async def keep_reloaded(signer: Signer, source: RingSource, poll_s: float = POLL_S) -> None:
+    """Reload ``signer``'s ring whenever its files change or the process gets SIGHUP; runs until
+    cancelled."""
+    hangup = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    try:
+        loop.add_signal_handler(signal.SIGHUP, hangup.set)
+        handles_hangup = True
+    except (RuntimeError, ValueError):  # not the main thread: files are still watched
+        handles_hangup = False
+    seen = source.fingerprint()
+    try:
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(hangup.wait(), poll_s)
+            now = source.fingerprint()
+            if hangup.is_set() or now != seen:
+                hangup.clear()
+                seen = now
+                reload(signer, source)
+    finally:
+        if handles_hangup:
+            loop.remove_signal_handler(signal.SIGHUP)
+
+
+def start_reloading(signer: Signer, settings: Settings) -> Callable[[], Awaitable[None]]:
+    """Keep ``signer`` reloaded from now on (nothing to do without a ring file); returns what stops it."""
+    source = source_of(settings)
+    if source is None:
+        return _nothing
+    task = asyncio.create_task(keep_reloaded(signer, source), name="key-ring-reload")
+
+    async def stop() -> None:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    return stop
+
+
+async def _nothing() -> None:
+    return None
+
+
+class RingFollower:
+    """For a process without an event loop (the blocking client): :meth:`check` before signing reloads
+    the ring if its files changed, looking at most once every ``poll_s``."""
+
+    def __init__(self, signer: Signer, settings: Settings, poll_s: float = POLL_S) -> None:
+        self.signer = signer
+        self.source = source_of(settings)
+        self.poll_s = poll_s
+        self._seen = self.source.fingerprint() if self.source is not None else ()
+        self._checked = time.monotonic()
+
+    def check(self) -> None:
+        if self.source is None or time.monotonic() - self._checked < self.poll_s:
+            return
+        self._checked = time.monotonic()
+        now = self.source.fingerprint()
+        if now != self._seen:
+            self._seen = now
+            reload(self.signer, self.source)
