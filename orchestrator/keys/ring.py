@@ -57,6 +57,15 @@ SCOPE_KINDS: Mapping[Scope, frozenset[Kind]] = {
     Scope.SERVER: frozenset({Kind.START, Kind.CANCEL_RUN, Kind.REDRIVE, *SHARD_INBOUND}),
 }
 
+#: What each scope signs of its own accord: an operator's and the server's keys sign other kinds only when
+#: a dead letter is issued again (``bus/reissue.py`` asks for ``REPLAYERS``), never as a process's
+#: ordinary signer of, say, a result a worker key of its own does not cover.
+ORDINARY_KINDS: Mapping[Scope, frozenset[Kind]] = {
+    **SCOPE_KINDS,
+    Scope.OPERATOR: frozenset({Kind.CANCEL_RUN, Kind.REDRIVE}),
+    Scope.SERVER: frozenset({Kind.START, Kind.CANCEL_RUN, Kind.REDRIVE}),
+}
+
 ALL = "*"  # in a worker key's contracts or a server key's tenants: every one
 
 
@@ -143,12 +152,13 @@ class Ring:
         cached = None if scopes else self._signing.get((kind, contract))  # a Kind hashes as its value
         if cached is not None:
             return cached
+        kinds = ORDINARY_KINDS if scopes is None else SCOPE_KINDS
         for key in self.keys:
             if key.state is not KeyState.ACTIVE or key.secret is None:
                 continue
             if scopes is not None and key.scope not in scopes:
                 continue
-            if key.scope is not Scope.ANY and kind not in SCOPE_KINDS[key.scope]:
+            if key.scope is not Scope.ANY and kind not in kinds[key.scope]:
                 continue
             if key.scope is Scope.WORKER and not key.serves(contract):
                 continue

@@ -14,7 +14,7 @@ import jsonschema
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from orchestrator.engine import advance, outputs
+from orchestrator.engine import advance, dispatched_contract, outputs
 from orchestrator.engine.model import CompensationResult, FinaliserResult, StageResult, Verdict
 from orchestrator.engine.plan import ContractPlan, Plan
 from orchestrator.wire import sizes
@@ -346,3 +346,42 @@ def pinning(schemas: dict[str, Any]) -> Plan:
     """A plan that pins these output schemas (None: the contract has none) and nothing else."""
     contracts = {ref: ContractPlan(queue="q", output_schema=schema) for ref, schema in schemas.items()}
     return Plan(name="p", version="1", entry="s", stages={}, contracts=contracts)
+
+
+# ---- reports bound to the contract of their task ------------------------------------------------------
+
+
+def test_a_report_naming_another_contract_than_its_tasks_is_refused_and_changes_nothing() -> None:
+    """A worker key signs only for its pool's contracts: a report it signs must be on a task of one."""
+    for sim, stage, item in (
+        (render_sim(), "render", None),
+        (sim_of(BATCH, {"ids": ["a", "b"]}), "render-all", 0),
+    ):
+        index = next(
+            i for i, d in enumerate(sim.pending) if d.kind == "task" and d.stage == stage and d.item == item
+        )
+        task = sim.pending[index].task
+        assert task is not None
+        report = sim.work(task)
+        before = dict(sim.record)
+        lying = sim.handle(dataclasses.replace(report, contract="semantic.analyse@4"))
+        assert not lying.took_effect and lying.verdict is Verdict.INVALID
+        assert "names contract semantic.analyse@4, but its task was for thumbnail.render@3" in str(
+            lying.decision.history
+        )
+        assert {k: v for k, v in sim.record.items() if k != "rev"} == {
+            k: v for k, v in before.items() if k != "rev"
+        }
+        honest = sim.handle(dataclasses.replace(report, contract="thumbnail.render@3"))
+        assert honest.took_effect
+
+
+def test_the_contract_a_report_must_name_is_its_tasks() -> None:
+    plan = typed(compile_yaml(UNDO).plan)
+    assert dispatched_contract(plan, StageResult("r", "render", 1, "1.1", True)) == "thumbnail.render@3"
+    assert (
+        dispatched_contract(plan, CompensationResult("c", "render", 0, "1.c0", True)) == "thumbnail.discard@1"
+    )
+    assert dispatched_contract(plan, FinaliserResult("f", 0, "1.f0", True)) == "audit.run-terminal@1"
+    assert dispatched_contract(plan, FinaliserResult("f", 5, "1.f5", True)) is None
+    assert dispatched_contract(plan, StageResult("r", "nope", 1, "1.1", True)) is None
