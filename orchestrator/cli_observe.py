@@ -4,6 +4,7 @@ which runs there are (``runs``). Registered on the main group by ``orchestrator.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from typing import Any
@@ -14,6 +15,7 @@ from orchestrator import observe, views
 from orchestrator.cli_runtime import _emit, _run, _settings
 from orchestrator.client import WaitTimeout
 from orchestrator.engine.model import RunStatus, StageStatus
+from orchestrator.keys.reload import signer_for, tenant_scope
 from orchestrator.remote import remote_client
 from orchestrator.settings import Settings, redis_client
 from orchestrator.store import worker_registry
@@ -58,7 +60,7 @@ def status(run_id: str, inputs: bool, as_json: bool) -> None:
         try:
             async with observe.BrokerProbe(settings.amqp_url) as probe:
                 view = await observe.status_view(
-                    client, settings, run_id, inputs=inputs, probe=probe, store=store
+                    client, settings, run_id, inputs=inputs, probe=probe, store=store, tenant=_scope(settings)
                 )
                 view = await _with_live_workers(client, settings, view, store, probe.error is None)
                 return view, probe.error
@@ -163,10 +165,11 @@ def wait(run_id: str, timeout_s: float, as_json: bool) -> None:
 
 async def _wait(settings: Settings, run_id: str, timeout_s: float) -> dict[str, Any] | None:
     client = redis_client(settings)
+    scope = _scope(settings)
     try:
 
         async def read() -> dict[str, Any]:
-            return await observe.run_document(client, settings.key_prefix, run_id)
+            return await observe.run_document(client, settings.key_prefix, run_id, scope)
 
         return await observe.follow(read, run_id, timeout_s=timeout_s, interval_s=0.1)
     finally:
@@ -219,11 +222,14 @@ async def _watch(
 ) -> dict[str, Any] | None:
     client = redis_client(settings)
     store = RedisStore(client, settings.key_prefix)  # one plan cache for every reading
+    scope = _scope(settings)
     try:
         async with observe.BrokerProbe(settings.amqp_url) as probe:
 
             async def read() -> dict[str, Any]:
-                view = await observe.status_view(client, settings, run_id, probe=probe, store=store)
+                view = await observe.status_view(
+                    client, settings, run_id, probe=probe, store=store, tenant=scope
+                )
                 return await _with_live_workers(client, settings, view, store, probe.error is None)
 
             return await observe.follow(read, run_id, timeout_s=timeout_s, interval_s=interval_s, show=show)
@@ -248,10 +254,16 @@ def history(run_id: str, as_json: bool) -> None:
         click.echo(views.history_line(event))
 
 
+def _scope(settings: Settings) -> str | None:
+    """The tenant whose runs this command shows: that of the client key it holds (see
+    ``keys.reload.tenant_scope``); None: every tenant's."""
+    return tenant_scope(signer_for(settings), settings)
+
+
 async def _history(settings: Settings, run_id: str) -> list[dict[str, Any]]:
     client = redis_client(settings)
     try:
-        return await observe.run_history(client, settings.key_prefix, run_id)
+        return await observe.run_history(client, settings.key_prefix, run_id, _scope(settings))
     finally:
         await client.aclose()
 
@@ -320,7 +332,8 @@ def runs(
     if remote := remote_client():
         found, next_cursor = _run(remote.list_runs(wanted))
     else:
-        found = _run(observe.list_runs(_settings(), wanted))
+        settings = _settings()
+        found = _run(observe.list_runs(settings, dataclasses.replace(wanted, tenant=_scope(settings))))
         next_cursor = observe.page_cursor(found, limit)
     if as_json:
         _emit({"runs": found, "next_cursor": next_cursor})

@@ -25,7 +25,7 @@ from orchestrator.cli_errors import SERVICE_ERRORS, CliError, CodedUsageError, u
 from orchestrator.cli_options import metrics_options
 from orchestrator.client import Client, RedriveRefused
 from orchestrator.durability import DurabilityRefused, Role, check_startup
-from orchestrator.keys.reload import signer_for, start_reloading
+from orchestrator.keys.reload import signer_for, start_reloading, tenant_scope
 from orchestrator.observe import RunFilter, list_runs
 from orchestrator.reconcile import Reconciler, Report
 from orchestrator.remote import Remote, remote_client
@@ -182,6 +182,7 @@ def orchestrator(
             redis_timeout_s=settings.redis_timeout_s,
             metrics_interval_s=None if metrics_port is None else 1.0,
             freshness=settings.freshness(),
+            tenant_limits=settings.tenant_limits,
         )
 
         me = membership.process_id()
@@ -630,8 +631,10 @@ def reconcile(dry_run: bool, min_age_s: float, stranded_after_s: float, as_json:
 
 
 async def _list_runs(settings: Settings, state: str | None) -> list[dict[str, Any]]:
-    """Runs on every shard (in ``state``, if given), newest first."""
-    return await list_runs(settings, RunFilter(state=state))
+    """Runs on every shard (in ``state``, if given), newest first: those of this process's tenant."""
+    return await list_runs(
+        settings, RunFilter(state=state, tenant=tenant_scope(signer_for(settings), settings))
+    )
 
 
 # How long a request waits for its orchestrator's answer (recorded in the run's history) before the CLI

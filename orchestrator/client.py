@@ -26,7 +26,7 @@ from pika.adapters.blocking_connection import BlockingChannel
 from redis.exceptions import ResponseError
 
 from orchestrator.bus.connect import blocking_parameters, connect_robust, untracked_channel
-from orchestrator.bus.envelope import Envelope, Signer, encode
+from orchestrator.bus.envelope import DEFAULT_TENANT, Envelope, Signer, encode
 from orchestrator.bus.publisher import PUBLISH_ATTEMPTS, Publisher
 from orchestrator.engine.door import start_problems
 from orchestrator.engine.model import TERMINAL_RUN_STATUSES, RunSnapshot, RunStatus
@@ -34,7 +34,7 @@ from orchestrator.engine.plan import Plan, typed_plan
 from orchestrator.errors import SagaError
 from orchestrator.governance.lifecycle import DefinitionNotFound, DefinitionState, VersionRecord, choose
 from orchestrator.governance.store import definition_key, names_key, parse_state
-from orchestrator.keys.reload import RingFollower, signer_for, start_reloading
+from orchestrator.keys.reload import RingFollower, signer_for, start_reloading, tenant_scope
 from orchestrator.run_ends import CONFIRM_TIMEOUT_S, Ending, RunEnds, parse_ending
 from orchestrator.settings import Settings, redis_client
 from orchestrator.store import shardmap_store
@@ -261,8 +261,9 @@ def start_envelope(
     definition: str,
     digest: str,
     context: Mapping[str, Any],
-    tenant: str = "default",
+    tenant: str = DEFAULT_TENANT,
 ) -> Envelope:
+    """A start, signed (by a client key: for its own tenant, whatever ``tenant`` says)."""
     return signer.sign(
         Envelope(
             kind=Kind.START,
@@ -296,6 +297,16 @@ def status_document(record: Mapping[str, str]) -> dict[str, Any]:
             for name, rec in sorted(snapshot.stages.items())
         },
     }
+
+
+def tenant_of(record: Mapping[str, str]) -> str:
+    """The tenant a run (or a refused start) is of: runs before tenants were all ``default``'s."""
+    return record.get("tenant") or DEFAULT_TENANT
+
+
+def visible(record: Mapping[str, str], tenant: str | None) -> bool:
+    """Whether a caller of ``tenant`` (None: every tenant) may see ``record``."""
+    return tenant is None or tenant_of(record) == tenant
 
 
 def refused_document(run_id: str, record: Mapping[str, str]) -> dict[str, Any]:
@@ -403,7 +414,13 @@ def active_plan_from(
 
 
 def checked_start(
-    signer: Signer, settings: Settings, plan: ActivePlan, definition: str, run_id: str, context: Any
+    signer: Signer,
+    settings: Settings,
+    plan: ActivePlan,
+    definition: str,
+    run_id: str,
+    context: Any,
+    tenant: str = DEFAULT_TENANT,
 ) -> Envelope:
     """The signed start, once it passed the checks the shard would make: a context that fits the
     definition, and a message (and tasks) that fit ``SAGA_MAX_MESSAGE_BYTES``. Raises StartRefused."""
@@ -419,7 +436,7 @@ def checked_start(
     problems = start_problems(plan.plan, plan.digest, context, limits, identity) if plan.plan else []
     if problems:
         raise StartRefused(definition, problems)
-    envelope = start_envelope(signer, run_id, definition, plan.digest, context)
+    envelope = start_envelope(signer, run_id, definition, plan.digest, context, tenant)
     size = len(encode(envelope))
     if size > limits.max_message_bytes:
         raise StartRefused(
@@ -563,16 +580,20 @@ class Client:
         context: Mapping[str, Any],
         idempotency_key: str | None = None,
         version: str | None = None,
+        tenant: str | None = None,
     ) -> str:
         """Start a run of ``definition``: of ``version`` (any approved, not retired one) or, without it,
         of the active version (or the canary, for the canary's share of run ids); returns its run id at
-        once. Raises, before sending anything: StartRefused for a context the definition refuses or a
-        start too large to be sent, DefinitionNotFound for a definition never published, NotStartable
-        for a version no run may be created from (the message lists those that may), and
-        IdempotencyConflict when ``idempotency_key`` already started a run with another context."""
+        once. The run is ``tenant``'s (the control-plane server's callers'), else this client's key's
+        (a client key's tenant always wins), else ``default``. Raises, before sending anything:
+        StartRefused for a context the definition refuses or a start too large to be sent,
+        DefinitionNotFound for a definition never published, NotStartable for a version no run may be
+        created from (the message lists those that may), and IdempotencyConflict when
+        ``idempotency_key`` already started a run with another context."""
         run_id = run_id_for(definition, idempotency_key)
         plan = await self._plan_of(definition, run_id, version)
-        envelope = checked_start(self.signer, self.settings, plan, definition, run_id, context)
+        owner = tenant or self.signer.bound_tenant() or DEFAULT_TENANT
+        envelope = checked_start(self.signer, self.settings, plan, definition, run_id, context, owner)
         claim = await self._claim(envelope, idempotency_key)
         try:
             await self._publish(envelope, self.settings.names().start_exchange(plan.shard_class), run_id)
@@ -588,13 +609,15 @@ class Client:
             raise SagaError("the client is not connected; use 'async with Client(settings) as client'")
         await self._publisher.publish_envelope(envelope, exchange_name, routing_key)
 
-    async def cancel(self, run_id: str, reason: str = "", requested_by: str = "") -> str:
+    async def cancel(
+        self, run_id: str, reason: str = "", requested_by: str = "", tenant: str | None = None
+    ) -> str:
         """Ask the run's shard to cancel the run: a failed intent with reason ``cancelled``, its active
         stages asked to stop, then its compensations and finalisers. Raises CancelRefused, sending
         nothing, for a run that has ended or already has an intent (one that gets it meanwhile is left as
         it is: the request is recorded as late in its history). Returns the request's id once the broker
-        has it."""
-        document = await self._document(run_id)
+        has it. A run of another tenant than ``tenant`` (else this client's key's) is not found."""
+        document = await self._document(run_id, tenant)
         if document is not None and (
             document["intent"] is not None or RunStatus(document["state"]) in TERMINAL_RUN_STATUSES
         ):
@@ -602,7 +625,13 @@ class Client:
         return await self._request(Kind.CANCEL_RUN, run_id, reason, requested_by)
 
     async def redrive(
-        self, run_id: str, reason: str = "", requested_by: str = "", *, undo_lost: bool = False
+        self,
+        run_id: str,
+        reason: str = "",
+        requested_by: str = "",
+        *,
+        undo_lost: bool = False,
+        tenant: str | None = None,
     ) -> str:
         """Ask the run's shard to resume a failed run in a new epoch, on its pinned plan: completed
         stages keep their results, failed, cancelled, timed-out and compensated ones run again. A run
@@ -610,8 +639,9 @@ class Client:
         (a context its definition refuses, a task too large), or that a poison message failed with an
         undo in flight (unless ``undo_lost``: that undo will never report), is left as it is (the
         refusal is recorded in its history). Returns the request's id once the broker has it;
-        :meth:`answer` tells what became of it."""
-        document = await self._document(run_id)
+        :meth:`answer` tells what became of it. A run of another tenant than ``tenant`` (else this
+        client's key's) is not found."""
+        document = await self._document(run_id, tenant)
         state = document["state"] if document is not None else RunStatus.PENDING.value
         if state != RunStatus.FAILED.value:
             raise RedriveRefused(run_id, state)
@@ -624,12 +654,17 @@ class Client:
         shard_map = await shardmap_store.load(self.redis, self.settings.key_prefix)
         if shard_map is not None and str(shard) not in shard_map.served:
             raise ShardRetired(run_id, str(shard), kind.value)
+        # the run's tenant, as an operator acts for any (a client's key signs its own in, and its shard
+        # refuses a request for another tenant's run)
+        run_key = ShardKeys(self.settings.key_prefix, str(shard)).run(run_id)
+        tenant = await self.redis.hget(run_key, "tenant")  # type: ignore[misc]
         envelope = self.signer.sign(
             Envelope(
                 kind=kind,
                 message_id=f"{kind.value}-{uuid.uuid4().hex}",  # each request is its own
                 run_id=run_id,
                 shard=str(shard),
+                tenant=str(tenant or "default"),
                 issued_at_ms=int(time.time() * 1000),
                 body=bodies.request(reason, requested_by, **extra),
             )
@@ -658,22 +693,28 @@ class Client:
             poll_s = min(poll_s * 1.5, 0.2)
         raise NoAnswer(run_id, request_id, str(shard), timeout_s)
 
-    async def status(self, run_id: str) -> dict[str, Any]:
-        document = await self._document(run_id)
+    async def status(self, run_id: str, tenant: str | None = None) -> dict[str, Any]:
+        document = await self._document(run_id, tenant)
         if document is None:
             raise RunNotFound(run_id)
         return document
 
-    async def _document(self, run_id: str) -> dict[str, Any] | None:
+    async def _document(self, run_id: str, tenant: str | None = None) -> dict[str, Any] | None:
         """The run's status document; None while its id is claimed and the run not created yet. Raises
-        RunNotFound for an id nobody claimed."""
+        RunNotFound for an id nobody claimed, and for a run of another tenant than ``tenant`` (else
+        this client's key's; None: any) whose existence is not this caller's to know."""
         prefix = self.settings.key_prefix
+        scope = tenant or tenant_scope(self.signer, self.settings)
         shard = await self.redis.get(index_key(prefix, run_id))
         record = await self.redis.hgetall(ShardKeys(prefix, str(shard)).run(run_id)) if shard else {}  # type: ignore[misc]
         if record:
+            if not visible(_text(record), scope):
+                raise RunNotFound(run_id)
             return status_document(_text(record))
         refused = await self.redis.hgetall(refused_key(prefix, run_id))  # type: ignore[misc]
         if refused:
+            if not visible(_text(refused), scope):
+                raise RunNotFound(run_id)
             return refused_document(run_id, _text(refused))
         if shard is None:
             raise RunNotFound(run_id)
@@ -803,7 +844,8 @@ class SyncClient:
         run_id = run_id_for(definition, idempotency_key)
         plan = self._plan_of(definition, run_id, version)
         self._ring.check()
-        envelope = checked_start(self.signer, self.settings, plan, definition, run_id, context)
+        owner = self.signer.bound_tenant() or DEFAULT_TENANT
+        envelope = checked_start(self.signer, self.settings, plan, definition, run_id, context, owner)
         claim = self._claim(envelope, idempotency_key)
         try:
             self._publish(self.settings.names().start_exchange(plan.shard_class), run_id, envelope)
@@ -856,13 +898,15 @@ class SyncClient:
         return plan
 
     def status(self, run_id: str) -> dict[str, Any]:
+        """As :meth:`Client.status`, blocking (for this client's key's tenant)."""
         prefix = self.settings.key_prefix
+        scope = tenant_scope(self.signer, self.settings)
         shard = self.redis.get(index_key(prefix, run_id))
         record = self.redis.hgetall(ShardKeys(prefix, str(shard)).run(run_id)) if shard else {}
-        if record:
+        if record and visible(_text(record), scope):  # type: ignore[arg-type]
             return status_document(_text(record))  # type: ignore[arg-type]
         refused = self.redis.hgetall(refused_key(prefix, run_id))
-        if refused:
+        if refused and not record and visible(_text(refused), scope):  # type: ignore[arg-type]
             return refused_document(run_id, _text(refused))  # type: ignore[arg-type]
         raise RunNotFound(run_id)
 

@@ -52,6 +52,7 @@ from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractQueue
 from pamqp import commands as spec
 
 from orchestrator.bus import batch
+from orchestrator.bus.envelope import DEFAULT_TENANT
 from orchestrator.bus.names import DLQ_SUFFIX, Names
 from orchestrator.bus.reissue import Reissue, reissued
 from orchestrator.bus.topology import Topology
@@ -198,6 +199,7 @@ class DeadLetter:
     death_count: int | None
     origin: str | None
     delivery_count: int
+    tenant: str | None = None  # the envelope's, as its body claims it (None: no envelope)
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -211,6 +213,7 @@ class DeadLetter:
             "death_count": self.death_count,
             "origin": self.origin,
             "delivery_count": self.delivery_count,
+            "tenant": self.tenant,
         }
 
     def matches(self, message_id: str) -> bool:
@@ -311,6 +314,7 @@ def describe(
         death_count=death_count,
         origin=origin,
         delivery_count=delivery_count if isinstance(delivery_count, int) else 0,
+        tenant=_field(fields, "tenant") or (DEFAULT_TENANT if fields else None),
     )
 
 

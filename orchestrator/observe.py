@@ -19,8 +19,9 @@ import redis.asyncio as aioredis
 
 from orchestrator import views
 from orchestrator.bus.connect import connect_once
+from orchestrator.bus.envelope import DEFAULT_TENANT
 from orchestrator.bus.names import SERIAL_TASKS
-from orchestrator.client import RunNotFound, is_final, refused_document, status_document
+from orchestrator.client import RunNotFound, is_final, refused_document, status_document, visible
 from orchestrator.engine.model import StageStatus
 from orchestrator.settings import Settings, redis_client
 from orchestrator.shardmap import ShardMap
@@ -84,25 +85,30 @@ class BrokerProbe:
         return int(count) if count is not None else None
 
 
-async def read_record(client: aioredis.Redis, prefix: str, run_id: str) -> dict[str, str]:
-    """A run's record (its flat hash); raises RunNotFound."""
+async def read_record(
+    client: aioredis.Redis, prefix: str, run_id: str, tenant: str | None = None
+) -> dict[str, str]:
+    """A run's record (its flat hash); raises RunNotFound, also for a run of another tenant than
+    ``tenant`` (None: any), which is not this caller's to know of."""
     shard = await RedisStore(client, prefix).owner(run_id)
     record: dict[str, str] = (
         await client.hgetall(ShardKeys(prefix, shard).run(run_id)) if shard else {}  # type: ignore[misc]
     )
-    if not record:
+    if not record or not visible(record, tenant):
         raise RunNotFound(run_id)
     return record
 
 
-async def run_document(client: aioredis.Redis, prefix: str, run_id: str) -> dict[str, Any]:
+async def run_document(
+    client: aioredis.Redis, prefix: str, run_id: str, tenant: str | None = None
+) -> dict[str, Any]:
     """``client.status_document`` of a run, or of a run id whose start the shard refused (state
-    ``refused``, with the reason); raises RunNotFound."""
+    ``refused``, with the reason); raises RunNotFound (for ``tenant``, as :func:`read_record`)."""
     try:
-        return status_document(await read_record(client, prefix, run_id))
+        return status_document(await read_record(client, prefix, run_id, tenant))
     except RunNotFound:
         refused = await client.hgetall(refused_key(prefix, run_id))  # type: ignore[misc]
-        if refused:
+        if refused and visible(refused, tenant):
             return refused_document(run_id, refused)
         raise
 
@@ -115,13 +121,15 @@ async def status_view(
     inputs: bool = False,
     probe: BrokerProbe | None = None,
     store: RedisStore | None = None,
+    tenant: str | None = None,
 ) -> dict[str, Any]:
     """The ``saga status --json`` document: ``client.status_document`` with the plan order and each
-    stage's result, progress and (with ``probe``) why a dispatched stage waits."""
+    stage's result, progress and (with ``probe``) why a dispatched stage waits. ``tenant``: only a run
+    of that tenant (else RunNotFound)."""
     try:
-        record = await read_record(client, settings.key_prefix, run_id)
+        record = await read_record(client, settings.key_prefix, run_id, tenant)
     except RunNotFound:
-        return {**await run_document(client, settings.key_prefix, run_id), "order": []}
+        return {**await run_document(client, settings.key_prefix, run_id, tenant), "order": []}
     document = status_document(record)
     store = store or RedisStore(client, settings.key_prefix)
     try:
@@ -204,17 +212,24 @@ async def follow(
         poll_s = min(poll_s * 1.5, interval_s)
 
 
-async def run_history(client: aioredis.Redis, prefix: str, run_id: str) -> list[dict[str, Any]]:
+async def run_history(
+    client: aioredis.Redis, prefix: str, run_id: str, tenant: str | None = None
+) -> list[dict[str, Any]]:
+    """A run's history; raises RunNotFound (for ``tenant``, as :func:`read_record`)."""
     store = RedisStore(client, prefix)
     shard = await store.owner(run_id)
     if shard is None:
         raise RunNotFound(run_id)
+    if tenant is not None:
+        owner = await client.hget(ShardKeys(prefix, shard).run(run_id), "tenant")  # type: ignore[misc]
+        if (owner or DEFAULT_TENANT) != tenant:
+            raise RunNotFound(run_id)
     return await store.history(shard, run_id)
 
 
 # ---- listing runs -------------------------------------------------------------------------------------
 
-_FIELDS = ["definition", "version", "status", "created_at", "finished_at", "reason"]
+_FIELDS = ["definition", "version", "status", "created_at", "finished_at", "reason", "tenant"]
 
 
 @dataclass(frozen=True)
@@ -229,10 +244,14 @@ class RunFilter:
     since_ms: int | None = None
     limit: int | None = None
     after: tuple[int, str] | None = None
+    tenant: str | None = None  # the caller's: only its runs (None: every tenant's)
 
-    def keeps(self, definition: str | None, version: str | None, state: str | None) -> bool:
+    def keeps(
+        self, definition: str | None, version: str | None, state: str | None, tenant: str | None = None
+    ) -> bool:
         return (
             state is not None  # None: the record expired after its retention
+            and (self.tenant is None or (tenant or DEFAULT_TENANT) == self.tenant)
             and (self.state is None or state == self.state)
             and (self.definition is None or definition == self.definition)
             and (self.version is None or version == self.version)
@@ -294,10 +313,10 @@ async def _shard_runs(client: aioredis.Redis, keys: ShardKeys, wanted: RunFilter
             for run_id in run_ids:
                 pipe.hmget(keys.run(run_id), _FIELDS)
             records = await pipe.execute()
-        for run_id, (definition, version, state, created, finished, reason) in zip(
+        for run_id, (definition, version, state, created, finished, reason, tenant) in zip(
             run_ids, records, strict=True
         ):
-            if run_id in seen or not wanted.keeps(definition, version, state):
+            if run_id in seen or not wanted.keeps(definition, version, state, tenant):
                 continue  # seen: a run created meanwhile moved the page by one
             seen.add(run_id)
             rows.append(
@@ -310,6 +329,7 @@ async def _shard_runs(client: aioredis.Redis, keys: ShardKeys, wanted: RunFilter
                     "finished_at": int(finished) if finished else None,
                     "reason": reason,
                     "shard": keys.shard,
+                    "tenant": tenant or DEFAULT_TENANT,
                 }
             )
             if wanted.limit is not None and len(rows) >= wanted.limit:

@@ -15,6 +15,7 @@ from orchestrator.compiler.limits import AdmissionLimits
 from orchestrator.dsl.expressions import ExpressionLimits
 from orchestrator.dsl.yaml_source import YamlLimits
 from orchestrator.loops import EventLoopChoice
+from orchestrator.shard.admission import TenantLimit
 from orchestrator.wire.freshness import Freshness
 from orchestrator.wire.sizes import DEFAULT_BAG_WINDOW, Limits
 
@@ -100,6 +101,17 @@ class Settings(BaseSettings):
         None,
         description="a key ring file (saga keys): scoped keys, their states and where their secrets are; "
         "set, it replaces SAGA_SIGNING_KEYS, and running processes reload it when it changes or on SIGHUP",
+    )
+    tenant_limits: dict[str, TenantLimit] = Field(
+        default_factory=dict,
+        description='per tenant, JSON: {"acme": {"max_runs": 500, "starts_per_s": 50}, "*": {...}} ("*": '
+        "every tenant not named); each shard admits its share of a start's tenant's limits, and refuses "
+        "a start over them at once",
+    )
+    platform_tenant: str = Field(
+        "default",
+        description="the tenant that runs the platform: its tokens (and keys that are not a client's) see "
+        "and act on every tenant's runs and dead letters; every other tenant's only on its own",
     )
     key_retire_grace_ms: int = Field(
         3_600_000,

@@ -31,6 +31,7 @@ RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
 MESSAGE_ID_PATTERN = r"^[\x21-\x7e]{1,200}$"  # printable ASCII, no spaces
 SHARD_PATTERN = r"^([a-z][a-z0-9_-]{0,31}\.[0-9]{1,5})?$"  # <class>.<number>, or empty (a start)
 MAX_COUNT = 2**31 - 1  # attempts and map items
+DEFAULT_TENANT = "default"  # every run's, unless a client key of another tenant started it
 
 
 class Envelope(BaseModel):
@@ -47,7 +48,7 @@ class Envelope(BaseModel):
     digest: str = Field("", max_length=128)
     contract: str | None = Field(None, max_length=200)  # name@version: the contract (and result schema)
     deadline_ms: int | None = Field(None, ge=0)
-    tenant: str = Field("default", max_length=64)
+    tenant: str = Field(DEFAULT_TENANT, max_length=64)
     issued_at_ms: int = Field(0, ge=0)
     key_id: str = Field("", max_length=64)
     body: dict[str, Any] = Field(default_factory=dict)
@@ -102,6 +103,15 @@ class Signer:
             return self.ring.signing_key(kind, contract, scopes)
         except NoSigningKey as exc:
             raise SagaError(str(exc)) from None
+
+    def bound_tenant(self) -> str | None:
+        """The tenant this process acts for when its starts are signed by a client key (a client key
+        belongs to one tenant); None where it may act for any (an operator's, the server's, an unscoped
+        key)."""
+        try:
+            return self.ring.signing_key(Kind.START).tenant
+        except NoSigningKey:
+            return None
 
     def sign(self, envelope: Envelope, scopes: frozenset[Scope] | None = None) -> Envelope:
         """``envelope`` signed by the key for its kind and contract (of one of ``scopes``, if given)."""

@@ -76,6 +76,14 @@ def signer_for(settings: Settings) -> Signer:
     return Signer(ring)
 
 
+def tenant_scope(signer: Signer, settings: Settings) -> str | None:
+    """The tenant whose runs this process sees and acts on: that of the client key it starts runs with,
+    unless that is the platform's own tenant (``SAGA_PLATFORM_TENANT``); None (every tenant's) for an
+    operator's, the server's or an unscoped key."""
+    tenant = signer.bound_tenant()
+    return None if tenant == settings.platform_tenant else tenant
+
+
 def describe(ring: Ring) -> str:
     held = [f"{k.key_id} ({k.scope.value}, {k.state.value})" for k in ring.held()]
     missing = [k.key_id for k in ring.keys if k.secret is None]

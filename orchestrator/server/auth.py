@@ -93,3 +93,10 @@ Author = Annotated[Identity, Depends(require(Action.PUBLISH))]
 Starter = Annotated[Identity, Depends(require(Action.START))]
 Canceller = Annotated[Identity, Depends(require(Action.CANCEL))]
 Redriver = Annotated[Identity, Depends(require(Action.REDRIVE))]
+
+
+def tenant_scope(request: Request, who: Identity) -> str | None:
+    """The tenant whose runs and dead letters ``who`` sees and acts on: its token's, or every tenant's
+    (None) for a token of the platform's own tenant (``SAGA_PLATFORM_TENANT``)."""
+    settings = request.app.state.settings
+    return None if who.tenant == settings.platform_tenant else who.tenant

@@ -28,7 +28,7 @@ from orchestrator.auth.roles import Action, Identity
 from orchestrator.console.graph import plan_svg
 from orchestrator.engine.model import RunStatus
 from orchestrator.errors import SagaError
-from orchestrator.server.auth import SESSION_COOKIE, identity_of, require_console_header
+from orchestrator.server.auth import SESSION_COOKIE, identity_of, require_console_header, tenant_scope
 from orchestrator.server.console_api import granted
 from orchestrator.server.errors import ApiError, status_of
 from orchestrator.store.redis_store import PlanNotFound, RedisStore
@@ -198,7 +198,7 @@ async def run_page(run_id: str, request: Request) -> Response:
         return to_sign_in(request)
     app = request.app.state
     try:
-        status = await observe.status_view(app.redis, app.settings, run_id)
+        status = await observe.status_view(app.redis, app.settings, run_id, tenant=tenant_scope(request, who))
     except SagaError as exc:
         return message(who, "No such run", str(exc), status_of(getattr(exc, "code", "")))
     return page("run", f"Run {run_id}", await _run_content(request, who, status), who)

@@ -19,7 +19,7 @@ from orchestrator.cli_errors import SERVICE_ERRORS
 from orchestrator.client import RunNotFound, is_final
 from orchestrator.console.graph import plan_svg
 from orchestrator.governance import service
-from orchestrator.server.auth import Reader, identity_of
+from orchestrator.server.auth import Reader, identity_of, tenant_scope
 from orchestrator.server.definitions import published
 from orchestrator.server.errors import ApiError
 from orchestrator.server.runs import MAX_PAGE
@@ -116,7 +116,7 @@ def stream(body: AsyncIterator[bytes]) -> StreamingResponse:
 @router.get("/runs/events", response_class=StreamingResponse)
 async def runs_events(
     request: Request,
-    _: Reader,
+    who: Reader,
     state: str | None = None,
     definition: str | None = None,
     version: str | None = None,
@@ -124,7 +124,15 @@ async def runs_events(
 ) -> StreamingResponse:
     """``text/event-stream``: the first page of ``GET /runs`` with these filters, whenever it changed
     (read every second)."""
-    wanted = observe.RunFilter(state or None, definition or None, version or None, None, limit, None)
+    wanted = observe.RunFilter(
+        state or None,
+        definition or None,
+        version or None,
+        None,
+        limit,
+        None,
+        tenant=tenant_scope(request, who),
+    )
     settings = request.app.state.settings
 
     async def read() -> dict[str, Any]:
@@ -134,13 +142,13 @@ async def runs_events(
 
 
 @router.get("/runs/{run_id}/events", response_class=StreamingResponse)
-async def run_events(run_id: str, request: Request, _: Reader) -> StreamingResponse:
+async def run_events(run_id: str, request: Request, who: Reader) -> StreamingResponse:
     """``text/event-stream``: the run's status document (as ``GET /runs/{id}``) whenever it changed,
     then an ``end`` event once the run is final (404 for a run that is not known)."""
     app = request.app.state
 
     async def read() -> dict[str, Any]:
-        return await observe.status_view(app.redis, app.settings, run_id)
+        return await observe.status_view(app.redis, app.settings, run_id, tenant=tenant_scope(request, who))
 
     first = await read()  # before the stream starts, so an unknown run is a plain 404
     return stream(

@@ -16,7 +16,7 @@ from orchestrator import deadletters, shard_ops
 from orchestrator.auth.roles import Action, Identity
 from orchestrator.bus.connect import connect_once
 from orchestrator.bus.topology import topology_for
-from orchestrator.server.auth import Reader, require
+from orchestrator.server.auth import Reader, require, tenant_scope
 from orchestrator.server.errors import ApiError
 from orchestrator.store import shardmap_store
 
@@ -60,36 +60,47 @@ async def _on_queues(
 @router.get("/dead-letters", tags=["dead letters"])
 async def list_dead_letters(
     request: Request,
-    _: Reader,
+    who: Reader,
     queue: str | None = None,
     limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
 ) -> dict[str, Any]:
-    """Per dead-letter queue: whether it exists, its count and its first ``limit`` messages."""
+    """Per dead-letter queue: whether it exists, its count and its first ``limit`` messages (for a token of
+    a tenant other than the platform's: only its tenant's messages, and their count)."""
     listings = await _on_queues(
         request, queue, lambda c, qs: deadletters.list_queues(c, qs, limit, missing_ok=queue is None)
     )
-    return {
-        "queues": [
-            {
-                "queue": q.queue,
-                "exists": q.exists,
-                "count": q.count,
-                "messages": [m.summary() for m in q.letters],
-            }
-            for q in listings
-        ]
-    }
+    scope = tenant_scope(request, who)
+    queues = []
+    for q in listings:
+        letters = [m for m in q.letters if scope is None or m.tenant == scope]
+        count = q.count if scope is None else len(letters)
+        queues.append(
+            {"queue": q.queue, "exists": q.exists, "count": count, "messages": [m.summary() for m in letters]}
+        )
+    return {"queues": queues}
 
 
 @router.get("/dead-letters/{message_id}", tags=["dead letters"])
 async def show_dead_letter(
-    message_id: str, request: Request, _: Reader, queue: str | None = None
+    message_id: str, request: Request, who: Reader, queue: str | None = None
 ) -> list[dict[str, Any]]:
-    """Every copy of a dead letter: properties, headers and decoded body (404 if none)."""
+    """Every copy of a dead letter: properties, headers and decoded body (404 if none, or none of the
+    caller's tenant)."""
+    return [detail.document() for detail in await _visible_letter(request, who, message_id, queue)]
+
+
+async def _visible_letter(
+    request: Request, who: Identity, message_id: str, queue: str | None
+) -> list[deadletters.Detail]:
+    """Every copy of a dead letter the caller's tenant may see; raises MessageNotFound (404) if none."""
     found = await _on_queues(
         request, queue, lambda c, qs: deadletters.show(c, qs, message_id, missing_ok=queue is None)
     )
-    return [detail.document() for detail in found]
+    scope = tenant_scope(request, who)
+    visible = [d for d in found if scope is None or d.letter.tenant == scope]
+    if not visible:
+        raise deadletters.MessageNotFound(message_id, await _queues(request, queue))
+    return visible
 
 
 class Replay(BaseModel):
@@ -98,8 +109,13 @@ class Replay(BaseModel):
 
 
 @router.post("/dead-letters/replay", tags=["dead letters"])
-async def replay(body: Replay, request: Request, _: DeadLetterHandler) -> dict[str, Any]:
-    """Publish dead letters back to the queue they came from (each removed once the copy is confirmed)."""
+async def replay(body: Replay, request: Request, who: DeadLetterHandler) -> dict[str, Any]:
+    """Publish dead letters back to the queue they came from (each removed once the copy is confirmed).
+    A token of a tenant other than the platform's replays only its tenant's letters, one by id."""
+    if tenant_scope(request, who) is not None:
+        if body.message_id is None:
+            raise _platform_only(who, "replaying every dead letter")
+        await _visible_letter(request, who, body.message_id, body.queue)
     done = await _on_queues(
         request,
         body.queue,
@@ -130,10 +146,22 @@ class Purge(BaseModel):
     all: bool = Field(False, description="with no queue: purge every dead-letter queue of the topology")
 
 
+def _platform_only(who: Identity, what: str) -> ApiError:
+    return ApiError(
+        403,
+        "forbidden",
+        f"{what} acts on every tenant's letters: token {who.name} is of tenant {who.tenant}, and only "
+        "tokens of the platform's tenant (SAGA_PLATFORM_TENANT) may; replay your tenant's letters by id",
+        {"token": who.name, "tenant": who.tenant},
+    )
+
+
 @router.post("/dead-letters/purge", tags=["dead letters"])
 async def purge(body: Purge, request: Request, who: DeadLetterHandler) -> dict[str, Any]:
     """Delete every message on ``queue`` (or, with ``all``, on every dead-letter queue) for good; how
-    many each held."""
+    many each held. Only a token of the platform's tenant may: a queue holds every tenant's letters."""
+    if tenant_scope(request, who) is not None:
+        raise _platform_only(who, "purging dead letters")
     if body.queue is None and not body.all:
         raise ApiError(
             422,

@@ -35,8 +35,10 @@ from orchestrator.engine.model import (
 from orchestrator.engine.plan import Plan
 from orchestrator.governance.lifecycle import NotStartable, State, choose
 from orchestrator.governance.store import DefinitionStore, DigestInfo
+from orchestrator.shard.admission import TenantAdmission
 from orchestrator.shard.events import start_body, to_event
 from orchestrator.shard.records import RunRecords
+from orchestrator.store import shardmap_store
 from orchestrator.store.redis_store import ApplyResult, PlanNotFound, RedisStore
 from orchestrator.store.replies import APPLIED, CONFLICT, DUPLICATE, NO_RUN
 from orchestrator.store.spec import (
@@ -57,6 +59,7 @@ CONTINUES = frozenset(
 )
 
 MAX_CONFLICT_RETRIES = 8
+CLASS_SIZE_TTL_MS = 5_000  # how long a shard class's size (for tenants' shares of their limits) is kept
 # What a message (or timer) for a run this shard does not hold becomes, by whether it names this shard.
 NOT_HERE = ("unknown-run", "wrong-shard")
 
@@ -83,6 +86,7 @@ class _Work:
     fresh: bool = False  # decide from what Redis holds now, not from a kept record
     passable: bool = False  # a message that names no shard: passed on to the run's owner
     conflicts: int = 0
+    tenant: str | None = None  # a message's: the tenant whose run it must name (None: a timer, a nudge)
 
 
 class Processor:
@@ -93,11 +97,17 @@ class Processor:
     refusal decided from a kept record. A message on its own is a batch of one."""
 
     def __init__(
-        self, store: RedisStore, clock_ms: Callable[[], int], limits: Limits = DEFAULT_LIMITS
+        self,
+        store: RedisStore,
+        clock_ms: Callable[[], int],
+        limits: Limits = DEFAULT_LIMITS,
+        admission: TenantAdmission | None = None,
     ) -> None:
         self.store = store
         self.clock_ms = clock_ms
         self.limits = limits
+        self.admission = admission
+        self._class_sizes: dict[str, tuple[int, int]] = {}  # shard class -> (read at ms, served shards)
         self.definitions = DefinitionStore(store.client, store.prefix)
         self.records = RunRecords()
 
@@ -251,6 +261,13 @@ class Processor:
         digest = item.digest or (snapshot.digest if snapshot else None)
         if digest is None:
             return await self._not_here(shard, item)
+        if snapshot is not None and item.tenant is not None and item.tenant != snapshot.tenant:
+            # a key signs for its tenant only: naming another tenant's run is refused before any write
+            why = (
+                f"message {item.event.message_id} is for tenant {item.tenant!r}, but run {item.run_id} "
+                f"belongs to tenant {snapshot.tenant!r}"
+            )
+            return Outcome(rejected=("wrong-tenant", why))
         # a run whose plan is missing (Redis lost it) raises: its message goes back to the queue
         plan = item.plan or await self.store.typed_plan(digest)
         if isinstance(item.event, (BarrierReleased, Nudge)) and snapshot is not None:
@@ -313,12 +330,17 @@ class Processor:
                 named.append((i, *chosen))
         # only approved, not retired versions start runs: one read for the batch
         infos = await self.store.digest_info([digest for _, digest, _ in named])
-        candidates = []
+        startable = []
         for (i, digest, context), info in zip(named, infos, strict=True):
             refusal = await self._refusal(shard, envelopes[i], digest, info)
             if refusal is not None:
                 outcomes[i] = refusal
-                continue
+            else:
+                startable.append((i, digest, context, info))
+        if self.admission is not None:
+            startable = await self._within_limits(shard, self.admission, startable, envelopes, outcomes)
+        candidates = []
+        for i, digest, context, _ in startable:
             try:
                 candidates.append((i, await self.store.typed_plan(digest), digest, context))
             except PlanNotFound as exc:
@@ -332,8 +354,51 @@ class Processor:
                 continue
             versions = await self.store.plan_versions(digest)
             event = StartRun(envelope.message_id, envelope.run_id, shard, context, envelope.tenant, versions)
-            claimed.append(_Work(i, envelope.run_id, event, plan, digest, fresh=not fresh))
+            claimed.append(
+                _Work(i, envelope.run_id, event, plan, digest, fresh=not fresh, tenant=envelope.tenant)
+            )
         return claimed
+
+    async def _within_limits(
+        self,
+        shard: str,
+        admission: TenantAdmission,
+        starts: list[tuple[int, str, dict[str, Any], DigestInfo | None]],
+        envelopes: list[Envelope],
+        outcomes: list[Outcome | None],
+    ) -> list[tuple[int, str, dict[str, Any], DigestInfo | None]]:
+        """The starts their tenants' limits admit; the others refused (a start of a run that exists
+        goes on: a duplicate, whatever the limits)."""
+        tenants = sorted({envelopes[i].tenant for i, *_ in starts})
+        in_flight = dict(zip(tenants, await self.store.tenants_in_flight(shard, tenants), strict=True))
+        shards = await self._served_in_class(shard)
+        admitted = []
+        for start in starts:
+            envelope = envelopes[start[0]]
+            why = admission.refusal(shard, envelope.tenant, in_flight[envelope.tenant], shards)
+            if why is None:
+                in_flight[envelope.tenant] += 1
+                admitted.append(start)
+                continue
+            refused = await self._refuse(shard, envelope, start[1], start[3], why, reason="tenant-limit")
+            if refused is None:
+                admitted.append(start)
+            else:
+                outcomes[start[0]] = refused
+        return admitted
+
+    async def _served_in_class(self, shard: str) -> int:
+        """How many served shards ``shard``'s class has (a tenant's limits are shared among them), read
+        from the shard map at most every few seconds."""
+        shard_class = shard.rpartition(".")[0]
+        now = self.clock_ms()
+        read_at, count = self._class_sizes.get(shard_class, (0, 0))
+        if now - read_at > CLASS_SIZE_TTL_MS or count == 0:
+            shard_map = await shardmap_store.load(self.store.client, self.store.prefix)
+            served = shard_map.served if shard_map is not None else [shard]
+            count = max(1, sum(1 for s in served if s.rpartition(".")[0] == shard_class))
+            self._class_sizes[shard_class] = (now, count)
+        return count
 
     async def _digest_of(self, shard: str, envelope: Envelope) -> tuple[str, dict[str, Any]] | Outcome:
         """The plan a start creates its run from, with its context; or why it creates none."""
@@ -377,7 +442,13 @@ class Processor:
         return await self._refuse(shard, envelope, digest, info, why)
 
     async def _refuse(
-        self, shard: str, envelope: Envelope, digest: str, info: DigestInfo | None, why: str
+        self,
+        shard: str,
+        envelope: Envelope,
+        digest: str,
+        info: DigestInfo | None,
+        why: str,
+        reason: str = "version-not-startable",
     ) -> Outcome | None:
         """The run is not created; the refusal is kept where status and wait find it. None when the run
         exists (this start is a duplicate and goes the usual way) or lives on another shard (which
@@ -388,8 +459,8 @@ class Processor:
             return None
         if owner == shard and await self.store.run_digest(shard, envelope.run_id) is not None:
             return None
-        await self.store.record_refusal(envelope.run_id, digest, info, why, self.clock_ms())
-        return Outcome(rejected=("version-not-startable", f"run {envelope.run_id} not created: {why}"))
+        await self.store.record_refusal(envelope.run_id, digest, info, why, self.clock_ms(), envelope.tenant)
+        return Outcome(rejected=(reason, f"run {envelope.run_id} not created: {why}"))
 
     async def _apply(
         self,
@@ -486,7 +557,7 @@ def _admitted(shard: str, index: int, envelope: Envelope) -> _Work | Outcome:
     event = to_event(envelope)
     if isinstance(event, str):
         return Outcome(rejected=("malformed", event))
-    return _Work(index, envelope.run_id, event, passable=not envelope.shard)
+    return _Work(index, envelope.run_id, event, passable=not envelope.shard, tenant=envelope.tenant)
 
 
 def _first_of_each_run(starts: list[int], envelopes: list[Envelope]) -> tuple[list[int], list[int]]:

@@ -26,7 +26,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 
 import aio_pika
@@ -46,6 +46,7 @@ from orchestrator.bus.inbound import Delivered
 from orchestrator.bus.names import Names
 from orchestrator.bus.publisher import Publisher, envelope_for
 from orchestrator.reconcile import Reconciler
+from orchestrator.shard.admission import TenantAdmission, TenantLimit
 from orchestrator.shard.processor import Outcome, Processor
 from orchestrator.store.redis_store import RedisStore
 from orchestrator.trace import TRACE
@@ -118,6 +119,7 @@ class ShardOptions:
     stranded_after_ms: int = 600_000  # a running run quiet this long, with nothing on its way, is stranded
     crash_points: frozenset[str] = frozenset()  # tests only: see crash()
     freshness: Freshness = field(default_factory=Freshness)  # how old a message taken may be, by kind
+    tenant_limits: Mapping[str, TenantLimit] = field(default_factory=dict)  # SAGA_TENANT_LIMITS
     # how often to read each shard's outbox depth and due timers into the metrics (None: never)
     metrics_interval_s: float | None = None
 
@@ -199,7 +201,10 @@ class ShardService:
         limits = Limits(
             self.options.max_message_bytes, self.options.max_transition_bytes, self.options.bag_window
         )
-        self.processor = Processor(self.store, self.clock_ms, limits)
+        admission = None
+        if self.options.tenant_limits:
+            admission = TenantAdmission(self.options.tenant_limits, time.monotonic)
+        self.processor = Processor(self.store, self.clock_ms, limits, admission)
 
     def stop(self) -> None:
         """Finish the batch in hand, stop consuming, close: SIGTERM drains."""

@@ -52,7 +52,8 @@ class ShardKeys:
         return f"{self.tag}:timers"
 
     def live(self) -> str:
-        """Plan digest -> this shard's runs of it not yet finished (kept by the transitions)."""
+        """Plan digest -> this shard's runs of it not yet finished, and ``tenant:<tenant>`` -> its runs
+        not yet finished (kept by the transitions)."""
         return f"{self.tag}:live"
 
     def facet(self, *parts: str) -> str:
@@ -125,3 +126,11 @@ def idempotency_key(prefix: str, run_id: str) -> str:
     """The context digest the first start of an idempotency key claimed (SET NX, with the run retention
     as TTL); ``run_id`` is derived from the definition and the key. Tagged like :func:`index_key`."""
     return f"{prefix}:idempotency:{{{run_id}}}"
+
+
+TENANT_FIELD_PREFIX = "tenant:"  # a field of a shard's live hash: a tenant's unfinished runs (never a digest)
+
+
+def tenant_field(tenant: str) -> str:
+    """The field of a shard's live hash counting ``tenant``'s unfinished runs."""
+    return TENANT_FIELD_PREFIX + tenant

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from orchestrator.store.keys import ShardKeys
+from orchestrator.store.keys import TENANT_FIELD_PREFIX, ShardKeys
 
 
 async def unfinished_by_digest(client: Any, prefix: str, shards: Iterable[str]) -> dict[str, int]:
@@ -23,5 +23,7 @@ async def unfinished_by_digest(client: Any, prefix: str, shards: Iterable[str]) 
     for per_shard in counts:
         for digest, n in per_shard.items():
             key = digest.decode() if isinstance(digest, bytes) else str(digest)
+            if key.startswith(TENANT_FIELD_PREFIX):
+                continue  # a tenant's count, kept in the same hash
             total[key] = total.get(key, 0) + max(0, int(n))
     return {digest: n for digest, n in total.items() if n > 0}

@@ -15,7 +15,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from orchestrator.bus.envelope import DEFAULT_TENANT
 from orchestrator.engine.model import Decision, RunSnapshot
+from orchestrator.store.keys import tenant_field
 from orchestrator.store.replies import APPLIED, CONFLICT, DUPLICATE, NO_RUN, TIMER_GONE
 from orchestrator.store.spec import (
     FIRST_BARRIER_KEY,
@@ -164,13 +166,17 @@ class MemoryStore:
         digest = run.record.get("digest")
         if was == now or not digest:
             return
+        tenant = tenant_field(run.record.get("tenant") or DEFAULT_TENANT)
         if now:
-            run.record["counted"] = "1"
-            self.live[digest] = self.live.get(digest, 0) + 1
-        elif run.record.pop("counted", None) is not None:
-            self.live[digest] -= 1
-            if self.live[digest] <= 0:
-                del self.live[digest]
+            run.record["counted"] = "2"
+            for field in (digest, tenant):
+                self.live[field] = self.live.get(field, 0) + 1
+            return
+        counted = run.record.pop("counted", None)
+        for field in (digest, tenant) if counted == "2" else (digest,) if counted else ():
+            self.live[field] = self.live.get(field, 0) - 1
+            if self.live[field] <= 0:
+                del self.live[field]
 
     def _history(self, run: MemoryRun, body: dict[str, Any]) -> None:
         for kind, stage, attempt, detail in body["history"]:

@@ -30,7 +30,15 @@ from orchestrator.errors import SagaError
 from orchestrator.governance.store import digests_key, parse_digest_info
 from orchestrator.store.connect import announces_run_ends, is_cluster, load_function_library
 from orchestrator.store.facets import changes_status, index_spec
-from orchestrator.store.keys import REFUSED, ShardKeys, finished_channel, index_key, plan_key, refused_key
+from orchestrator.store.keys import (
+    REFUSED,
+    ShardKeys,
+    finished_channel,
+    index_key,
+    plan_key,
+    refused_key,
+    tenant_field,
+)
 from orchestrator.store.lane import Command, Lane
 from orchestrator.store.replies import APPLIED, Reply
 from orchestrator.trace import TRACE
@@ -471,12 +479,28 @@ class RedisStore:
         self._plans[digest] = stored["plan"]
         self._plan_versions[digest] = {str(k): str(v) for k, v in (stored.get("versions") or {}).items()}
 
+    async def tenants_in_flight(self, shard: str, tenants: list[str]) -> list[int]:
+        """How many runs of each of ``tenants`` on ``shard`` have not ended (the transitions count them)."""
+        if not tenants:
+            return []
+        found = await self.client.hmget(  # type: ignore[misc]
+            ShardKeys(self.prefix, shard).live(), [tenant_field(t) for t in tenants]
+        )
+        return [max(0, int(n)) if n is not None else 0 for n in found]
+
     async def record_refusal(
-        self, run_id: str, digest: str, info: DigestInfo | None, why: str, now_ms: int
+        self,
+        run_id: str,
+        digest: str,
+        info: DigestInfo | None,
+        why: str,
+        now_ms: int,
+        tenant: str = "default",
     ) -> None:
-        """Why the start of ``run_id`` created no run, for status and wait (kept for the retention)."""
+        """Why the start of ``run_id`` (for ``tenant``) created no run, for status and wait (kept for the
+        retention)."""
         key = refused_key(self.prefix, run_id)
-        fields = {"reason": why, "digest": digest, "at": now_ms}
+        fields: dict[str, str | int] = {"reason": why, "digest": digest, "at": now_ms, "tenant": tenant}
         if info is not None:
             fields |= {"definition": info.definition, "version": info.version}
         async with self.client.pipeline(transaction=True) as pipe:

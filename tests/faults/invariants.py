@@ -27,8 +27,9 @@ from typing import Any
 
 import redis
 
+from orchestrator.bus.envelope import DEFAULT_TENANT
 from orchestrator.store.facets import STATUSES, static_facets, status_facets
-from orchestrator.store.keys import ShardKeys, index_key, plan_key
+from orchestrator.store.keys import ShardKeys, index_key, plan_key, tenant_field
 from orchestrator.store.spec import bag_members
 from workers.demo.effects import demo_key
 
@@ -200,13 +201,15 @@ def check_runs(
 
 def live_count_violations(r: redis.Redis, prefix: str, runs: list[RunView]) -> list[str]:
     """Each shard's count of unfinished runs per plan digest (what ``saga definitions list`` shows
-    draining) equals its runs that have not ended, given every run under ``prefix``."""
+    draining) and per tenant (what a tenant's starts are admitted against) equals its runs that have not
+    ended, given every run under ``prefix``."""
     expected: dict[str, Counter[str]] = {}
     for run in runs:
         if run.shard is not None:
             shard = expected.setdefault(run.shard, Counter())
             if run.status not in TERMINAL and run.record.get("digest"):
                 shard[run.record["digest"]] += 1
+                shard[tenant_field(run.record.get("tenant") or DEFAULT_TENANT)] += 1
     found = []
     for shard, want in sorted(expected.items()):
         counted = Counter({d: int(n) for d, n in r.hgetall(ShardKeys(prefix, shard).live()).items()})

@@ -21,6 +21,8 @@ from orchestrator.client import SyncClient, start_envelope
 from orchestrator.keys.ring import KeyState, Scope
 from orchestrator.keys.ringfile import KeyEntry, RingFile, load_ring, write_ring_file, write_secret_file
 from orchestrator.settings import Settings
+from orchestrator.wire import bodies
+from orchestrator.wire.kinds import Kind
 from tests.faults.invariants import assert_no_violations, check_runs
 from tests.integration.refusals import NAMES, parked, parked_one, publish_report, run_keys
 from tests.integration.stack import Stack, now_ms, poll
@@ -155,6 +157,15 @@ def forgeries(keys: Signer, genuine: Envelope) -> list[tuple[str, bytes, dict[st
         return encode(signed_with(keys, key_id, envelope))
 
     start = start_envelope(keys, "forged-start", "model-ingest", genuine.digest, {"modelId": "f"})
+    cancel = Envelope(
+        kind=Kind.CANCEL_RUN,
+        message_id=f"cancel.run-forged-{genuine.run_id}",
+        run_id=genuine.run_id,
+        shard=genuine.shard,
+        tenant="acme",
+        issued_at_ms=genuine.issued_at_ms,
+        body=bodies.request("forged", "mallory"),
+    )
     as_container = {BATCH_HEADER: 2, CHECKSUM_HEADER: 1}  # headers saying two messages travel in one
     return [
         ("bad-signature", encode(genuine.model_copy(update={"signature": "0" * 64})), None),
@@ -170,6 +181,8 @@ def forgeries(keys: Signer, genuine: Envelope) -> list[tuple[str, bytes, dict[st
         ("oversized", raw[:-1] + b"," + b" " * 1_100_000 + b"}", None),
         # a client key of tenant acme, for a start in tenant default
         ("out-of-scope", signed_as("client-acme", start.model_copy(update={"tenant": "default"})), None),
+        # ... and for a cancel of its own tenant, of a run of tenant default
+        ("wrong-tenant", signed_as("client-acme", cancel), None),
     ]
 
 

@@ -122,21 +122,28 @@ local function is_live(status)
   return status ~= nil and status ~= false and status ~= 'completed' and status ~= 'failed'
 end
 
--- A run counts in KEYS[7] under its plan digest from its creation until it ends, and again while a
--- re-drive runs it. The run hash's 'counted' field says it is in the count, so only a counted run is
--- taken out of it (runs created before the count existed never lower another run's count), and a
--- definition version shows its runs draining to 0.
+-- A run counts in KEYS[7] under its plan digest, and under 'tenant:<its tenant>', from its creation until
+-- it ends, and again while a re-drive runs it. The run hash's 'counted' field says it is in the counts
+-- ('2': both; '1': the digest's only, a run counted before tenants were), so only a counted run is taken
+-- out of them (runs created before a count existed never lower another run's), a definition version
+-- shows its runs draining to 0, and a shard admits a tenant's starts against its runs in flight.
 local function count_live(keys, before, after)
   local was, now = is_live(before), is_live(after)
   if was == now then return end
   local digest = redis.call('HGET', keys[1], 'digest')
   if not digest then return end
+  local tenant = 'tenant:' .. (redis.call('HGET', keys[1], 'tenant') or 'default')
   if now then
-    redis.call('HSET', keys[1], 'counted', '1')
+    redis.call('HSET', keys[1], 'counted', '2')
     redis.call('HINCRBY', keys[7], digest, 1)
-  elseif redis.call('HDEL', keys[1], 'counted') == 1 then
-    if redis.call('HINCRBY', keys[7], digest, -1) <= 0 then redis.call('HDEL', keys[7], digest) end
+    redis.call('HINCRBY', keys[7], tenant, 1)
+    return
   end
+  local counted = redis.call('HGET', keys[1], 'counted')
+  if not counted then return end
+  redis.call('HDEL', keys[1], 'counted')
+  if redis.call('HINCRBY', keys[7], digest, -1) <= 0 then redis.call('HDEL', keys[7], digest) end
+  if counted == '2' and redis.call('HINCRBY', keys[7], tenant, -1) <= 0 then redis.call('HDEL', keys[7], tenant) end
 end
 
 -- The listing indexes (orchestrator/store/facets.py): a run enters its definition's and version's
