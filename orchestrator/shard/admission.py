@@ -55,8 +55,8 @@ class TenantAdmission:
             share = math.ceil(limit.max_runs / shards)
             if in_flight >= share:
                 return (
-                    f"tenant {tenant!r} has {in_flight} runs in flight on shard {shard}, its share of the "
-                    f"limit of {limit.max_runs} over {shards} shards (SAGA_TENANT_LIMITS): start it again "
+                    f"tenant {tenant!r} is at its share of {share} runs in flight on shard {shard} (the "
+                    f"limit of {limit.max_runs} over {shards} shards, SAGA_TENANT_LIMITS): start it again "
                     "once some have ended, or raise the limit"
                 )
         if limit.starts_per_s is not None:
@@ -67,8 +67,8 @@ class TenantAdmission:
             bucket.at_s = now
             if bucket.tokens < 1.0:
                 return (
-                    f"tenant {tenant!r} starts more than {limit.starts_per_s:g} runs a second (its share on "
-                    f"shard {shard}: {rate:g} over {shards} shards; SAGA_TENANT_LIMITS): start it again "
+                    f"tenant {tenant!r} is over its start rate of {limit.starts_per_s:g}/s (its share on "
+                    f"shard {shard}: {rate:g}/s over {shards} shards, SAGA_TENANT_LIMITS): start it again "
                     "in a moment, or raise the limit"
                 )
             bucket.tokens -= 1.0
