@@ -32,7 +32,7 @@ def test_a_shard_admits_runs_in_flight_up_to_its_share_of_the_limit(
     refusal = gate.refusal("fast.0", "acme", in_flight, shards)
     assert (refusal is None) == (in_flight < math.ceil(limit / shards))
     if refusal is not None:
-        X
+        assert "tenant 'acme' is at its share of" in refusal and "on shard fast.0" in refusal
 
 
 def test_tenants_without_limits_of_their_own_take_the_default_and_others_none() -> None:
