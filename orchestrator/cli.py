@@ -717,12 +717,22 @@ def _register_runtime_commands() -> None:
     from orchestrator.cli_definitions import definitions
     from orchestrator.cli_keys import keys_group
     from orchestrator.cli_observe import COMMANDS as OBSERVE_COMMANDS
+    from orchestrator.cli_provision import provision
     from orchestrator.cli_runtime import COMMANDS
     from orchestrator.cli_server import server
     from orchestrator.cli_shards import shards
     from orchestrator.cli_tokens import tokens_group
 
-    for command in [*COMMANDS, *OBSERVE_COMMANDS, definitions, shards, tokens_group, keys_group, server]:
+    for command in [
+        *COMMANDS,
+        *OBSERVE_COMMANDS,
+        definitions,
+        shards,
+        tokens_group,
+        keys_group,
+        provision,
+        server,
+    ]:
         main.add_command(command)
 
 

@@ -16,10 +16,11 @@ import logging
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 import redis
 
+from orchestrator.bus.connect import node_urls
 from orchestrator.errors import SagaError
 from orchestrator.keys.ringfile import load_ring
 from orchestrator.settings import DEVELOPMENT_SIGNING_SECRET, Settings
@@ -55,6 +56,9 @@ class Facts:
     appendfsync: str | None = None
     redis_error: str | None = None  # why aof_enabled could not be read
     development_keys: tuple[str, ...] = ()  # ids of signing keys whose secret is the development default
+    default_redis_user: bool = False  # SAGA_REDIS_URL names no user (or "default"): the all-powerful one
+    amqp_guest: bool = False  # SAGA_AMQP_URL connects as RabbitMQ's guest
+    unscoped_keys: bool = False  # signing keys from SAGA_SIGNING_KEYS: each may sign any message
 
 
 @dataclass(frozen=True)
@@ -123,7 +127,30 @@ def _production(facts: Facts) -> Verdict:
             "so anyone who can publish to the broker can forge messages: set SAGA_SIGNING_KEYS=id:secret "
             "with a secret of your own, the same on every orchestrator, worker and client"
         )
+    refusals += _least_privilege(facts)
     return Verdict(tuple(refusals), tuple(warnings))
+
+
+def _least_privilege(facts: Facts) -> list[str]:
+    found = []
+    if facts.default_redis_user:
+        found.append(
+            f"it connects to Redis at {facts.redis} as the default user, which may do anything (FLUSHALL, "
+            "CONFIG, every key): run 'saga provision' and give this process its role's SAGA_REDIS_URL "
+            f"(secrets/{facts.role.value}.env)"
+        )
+    if facts.amqp_guest:
+        found.append(
+            "it connects to RabbitMQ as guest, the broker's default user: run 'saga provision' and give "
+            f"this process its role's SAGA_AMQP_URL (secrets/{facts.role.value}.env)"
+        )
+    if facts.unscoped_keys:
+        found.append(
+            "its signing keys come from SAGA_SIGNING_KEYS, unscoped: each may sign any message (a worker's "
+            "could start or cancel runs): set SAGA_KEY_RING_FILE to a key ring of scoped keys ('saga keys "
+            "add ID --scope ...')"
+        )
+    return found
 
 
 def _development_losses(facts: Facts) -> list[str]:
@@ -231,7 +258,27 @@ def gather(settings: Settings, role: Role) -> Facts:
         appendfsync=appendfsync,
         redis_error=error,
         development_keys=_development_keys(settings),
+        default_redis_user=default_redis_user(settings.redis_url),
+        amqp_guest=any(_amqp_user(url) in (None, "guest") for url in node_urls(settings.amqp_url)),
+        unscoped_keys=settings.key_ring_file is None,
     )
+
+
+def default_redis_user(url: str) -> bool:
+    """Whether ``url`` connects as Redis's default user (it names none, or names it)."""
+    try:
+        user = parse_cluster_url(url).username if is_cluster_url(url) else urlsplit(url).username
+    except (ValueError, BadRedisUrl):
+        return False  # refused elsewhere, with its own error
+    return not user or user == "default"
+
+
+def _amqp_user(url: str) -> str | None:
+    """The user ``url`` names (None: none, so the client's default, guest)."""
+    try:
+        return unquote(urlsplit(url).username or "") or None
+    except ValueError:
+        return None
 
 
 def _development_keys(settings: Settings) -> tuple[str, ...]:

@@ -6,7 +6,15 @@ from typing import Any
 
 import pytest
 
-from orchestrator.durability import Facts, Role, Verdict, assess, development_key_ids, redis_location
+from orchestrator.durability import (
+    Facts,
+    Role,
+    Verdict,
+    assess,
+    default_redis_user,
+    development_key_ids,
+    redis_location,
+)
 from orchestrator.settings import DEVELOPMENT_SIGNING_KEY, Settings
 
 DURABLE = {"aof_enabled": True, "appendfsync": "always"}
@@ -91,3 +99,43 @@ def test_the_development_key_is_found_under_any_id_and_only_by_its_secret() -> N
 def test_a_redis_location_never_shows_the_password() -> None:
     assert redis_location("redis://:hunter2@cache.internal:6380/3") == "cache.internal:6380/3"
     assert redis_location("redis://localhost") == "localhost:6379/0"
+
+
+@pytest.mark.parametrize("role", list(Role))
+def test_production_refuses_the_all_powerful_default_users_and_unscoped_keys(role: Role) -> None:
+    refusals = assess(
+        facts(role=role, **DURABLE, default_redis_user=True, amqp_guest=True, unscoped_keys=True)
+    )
+    redis_user, guest, unscoped = refusals.refusals
+    assert "as the default user" in redis_user and f"secrets/{role.value}.env" in redis_user
+    assert "as guest" in guest and "saga provision" in guest
+    assert "SAGA_KEY_RING_FILE" in unscoped and "unscoped" in unscoped
+    assert not assess(facts(mode="development", role=role, default_redis_user=True, amqp_guest=True)).refusals
+
+
+@pytest.mark.parametrize(
+    ("url", "default"),
+    [
+        ("redis://127.0.0.1:6379/0", True),
+        ("redis://:secret@127.0.0.1:6379/0", True),
+        ("redis://default:secret@127.0.0.1:6379/0", True),
+        ("redis://saga-orchestrator:secret@127.0.0.1:6379/0", False),
+        ("redis+cluster://saga-worker:s@10.0.0.1:7000,10.0.0.2:7000", False),
+        ("redis+cluster://10.0.0.1:7000", True),
+    ],
+)
+def test_the_default_redis_user_is_the_one_a_url_names_or_none(url: str, default: bool) -> None:
+    assert default_redis_user(url) is default
+
+
+def test_gathered_facts_name_guest_and_unscoped_keys_without_asking_anything() -> None:
+    from orchestrator.durability import gather
+
+    found = gather(
+        Settings(amqp_url="amqp://127.0.0.1:5672/", redis_url="redis://u:p@127.0.0.1:1/0"), Role.WORKER
+    )
+    assert found.amqp_guest and found.unscoped_keys and not found.default_redis_user
+    mine = gather(
+        Settings(amqp_url="amqp://saga-worker:x@127.0.0.1:5672/v", key_ring_file="/nowhere.yaml"), Role.WORKER
+    )
+    assert not mine.amqp_guest and not mine.unscoped_keys and mine.default_redis_user
