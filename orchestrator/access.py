@@ -161,3 +161,12 @@ def rabbitmq_definitions(
             }
         )
     return {"users": users, "vhosts": [{"name": vhost}], "permissions": permissions}
+
+
+def acl_file(prefix: str, passwords: dict[AccessRole, str]) -> str:
+    """A Redis ACL file (``redis-server --aclfile``) of each role's user, the default user switched off."""
+    lines = ["user default off"]  # (an ACL file takes no comments)
+    for role, password in passwords.items():
+        rules = [r for r in redis_acl(prefix, role, password) if r != "reset"]
+        lines.append(f"user {user_name(prefix, role)} {' '.join(rules)}")
+    return "\n".join(lines) + "\n"

@@ -383,11 +383,20 @@ def topology_apply(modules: tuple[str, ...], registry_file: str | None) -> None:
     help="Add a user with full permissions on the vhost (repeatable). A broker loading the file at boot "
     "skips rabbitmq.conf's default_user, so a boot file needs one.",
 )
+@click.option(
+    "--role-user",
+    "role_users",
+    multiple=True,
+    metavar="ROLE:PASSWORD",
+    help="Add ROLE's least-privilege user, <prefix>-<role>, with this password (repeatable; see saga "
+    "provision): orchestrator, worker, client, server.",
+)
 @registry_options
 def topology_export(
     output: str | None,
     vhost: str,
     users: tuple[str, ...],
+    role_users: tuple[str, ...],
     modules: tuple[str, ...],
     registry_file: str | None,
 ) -> None:
@@ -407,7 +416,8 @@ def topology_export(
         click.echo("note: Redis cannot be reached: shards as SAGA_SHARD_COUNT seeds them", err=True)
         shard_map = None
     built = _topology_of(env, shard_map)
-    text = json.dumps(to_definitions(built, vhost, pairs), indent=2, sort_keys=True) + "\n"
+    roles = [_role_user(env.settings, given) for given in role_users]
+    text = json.dumps(to_definitions(built, vhost, pairs, roles), indent=2, sort_keys=True) + "\n"
     if output is None:
         click.echo(text, nl=False)
         return
@@ -416,6 +426,23 @@ def topology_export(
     except OSError as exc:
         raise click.UsageError(f"cannot write {output}: {exc.strerror}") from exc
     click.echo(f"wrote {built.summary()} to {output}", err=True)
+
+
+def _role_user(settings: Settings, given: str) -> tuple[str, str, tuple[str, str, str]]:
+    from orchestrator.access import AccessRole, rabbitmq_permissions, user_name
+
+    role, sep, password = given.partition(":")
+    if not sep or not password or role not in {r.value for r in AccessRole}:
+        roles = ", ".join(r.value for r in AccessRole)
+        raise click.BadParameter(
+            f"{given!r} is not ROLE:PASSWORD with ROLE one of {roles}", param_hint="--role-user"
+        )
+    allowed = rabbitmq_permissions(settings.namespace, AccessRole(role))
+    return (
+        user_name(settings.key_prefix, AccessRole(role)),
+        password,
+        (allowed.configure, allowed.write, allowed.read),
+    )
 
 
 # ---- saga dead-letters ------------------------------------------------------------------------------------

@@ -21,7 +21,14 @@ from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
 import click
 
-from orchestrator.access import AccessRole, rabbitmq_definitions, rabbitmq_permissions, redis_acl, user_name
+from orchestrator.access import (
+    AccessRole,
+    acl_file,
+    rabbitmq_definitions,
+    rabbitmq_permissions,
+    redis_acl,
+    user_name,
+)
 from orchestrator.cli_errors import CliError
 from orchestrator.cli_runtime import _settings
 from orchestrator.keys.ringfile import new_secret
@@ -52,6 +59,19 @@ from orchestrator.store.connect import REDIS_ERRORS, is_cluster_url, sync_client
     help="Set the RabbitMQ users with rabbitmqctl (a broker on this host).",
 )
 @click.option(
+    "--password",
+    "given",
+    multiple=True,
+    metavar="ROLE:PASSWORD",
+    help="Use this password for ROLE (from your vault; or a placeholder, for a file you fill in later) "
+    "instead of the one kept in SECRETS_DIR/<role>.password.",
+)
+@click.option(
+    "--redis-acl-file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Also write the Redis users as an ACL file (redis-server --aclfile FILE).",
+)
+@click.option(
     "--rabbitmq-definitions",
     "rabbitmq_definitions_to",
     type=click.Path(dir_okay=False, path_type=Path),
@@ -62,18 +82,24 @@ def provision(
     secrets_dir: Path,
     on_redis: bool,
     on_rabbitmq: bool,
+    given: tuple[str, ...],
+    redis_acl_file: Path | None,
     rabbitmq_definitions_to: Path | None,
 ) -> None:
     """A least-privilege Redis user and RabbitMQ user for each role: orchestrator, worker, client, server,
     admin. Each role's settings go to SECRETS_DIR/<role>.env: give each process its own."""
     settings = _settings()
     chosen = [AccessRole(r) for r in roles] or list(AccessRole)
-    passwords = {role: _password(secrets_dir, role) for role in chosen}
+    fixed = _given_passwords(given)
+    passwords = {role: fixed.get(role) or _password(secrets_dir, role) for role in chosen}
     if on_redis:
         _redis_users(settings, passwords)
     vhost = _vhost(settings.amqp_url)
     if on_rabbitmq:
         _rabbitmq_users(settings, vhost, passwords)
+    if redis_acl_file is not None:
+        redis_acl_file.write_text(acl_file(settings.key_prefix, passwords))
+        click.echo(f"wrote the Redis users to {redis_acl_file}", err=True)
     if rabbitmq_definitions_to is not None:
         document = rabbitmq_definitions(settings.namespace, vhost, passwords, settings.key_prefix)
         rabbitmq_definitions_to.write_text(json.dumps(document, indent=2) + "\n")
@@ -81,6 +107,19 @@ def provision(
     for role, password in passwords.items():
         path = _write_env(secrets_dir, role, _env_of(settings, role, password))
         click.echo(f"{role.value}: user {user_name(settings.key_prefix, role)}, settings in {path}", err=True)
+
+
+def _given_passwords(given: tuple[str, ...]) -> dict[AccessRole, str]:
+    found = {}
+    for pair in given:
+        role, sep, password = pair.partition(":")
+        if not sep or not password or role not in {r.value for r in AccessRole}:
+            roles = ", ".join(r.value for r in AccessRole)
+            raise click.BadParameter(
+                f"{pair!r} is not ROLE:PASSWORD with ROLE one of {roles}", param_hint="--password"
+            )
+        found[AccessRole(role)] = password
+    return found
 
 
 def _password(folder: Path, role: AccessRole) -> str:
@@ -174,6 +213,7 @@ def _with_user(url: str, user: str, password: str) -> str:
 
 
 def _write_env(folder: Path, role: AccessRole, env: dict[str, str]) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{role.value}.env"
     path.unlink(missing_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)

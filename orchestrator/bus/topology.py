@@ -281,14 +281,18 @@ def _natural(name: str) -> tuple[tuple[int, int | str], ...]:
 
 
 def to_definitions(
-    topology: Topology, vhost: str = "/", users: Sequence[tuple[str, str]] = ()
+    topology: Topology,
+    vhost: str = "/",
+    users: Sequence[tuple[str, str]] = (),
+    role_users: Sequence[tuple[str, str, tuple[str, str, str]]] = (),
 ) -> dict[str, Any]:
     """The topology in RabbitMQ's definitions format (``load_definitions`` / ``rabbitmqctl
     import_definitions``), in a stable order.
 
     ``users`` are (name, password) pairs given administrator tags and full permissions on ``vhost``: a node
     that loads definitions at boot does not create ``default_user``/``default_vhost`` from rabbitmq.conf, so
-    a file meant for boot must carry its own vhost and users."""
+    a file meant for boot must carry its own vhost and users. ``role_users`` are (name, password,
+    (configure, write, read)): each role's user with only its permissions (``orchestrator/access.py``)."""
     out: dict[str, Any] = {
         "vhosts": [{"name": vhost}],
         "exchanges": [
@@ -328,13 +332,16 @@ def to_definitions(
             )
         ],
     }
-    if users:
+    if users or role_users:
         out["users"] = [
             {"name": name, "password": password, "tags": "administrator"} for name, password in sorted(users)
-        ]
+        ] + [{"name": name, "password": password, "tags": ""} for name, password, _ in sorted(role_users)]
         out["permissions"] = [
             {"user": name, "vhost": vhost, "configure": ".*", "write": ".*", "read": ".*"}
             for name, _ in sorted(users)
+        ] + [
+            {"user": name, "vhost": vhost, "configure": c, "write": w, "read": r}
+            for name, _, (c, w, r) in sorted(role_users)
         ]
     return out
 

@@ -9,7 +9,6 @@ import subprocess
 from pathlib import Path
 
 import redis
-
 from tests.integration.stack import poll
 
 
@@ -22,16 +21,21 @@ def free_port() -> int:
 class RedisServer:
     """A redis-server on a free loopback port, persisting like production (AOF, fsync on every write)."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, *extra: str) -> None:
+        """``extra``: more redis-server arguments (``--aclfile FILE``)."""
         self.folder = folder
         self.port = free_port()
+        self.extra = extra
         self.process: subprocess.Popen[bytes] | None = None
+        self.user: tuple[str, str] | None = None
 
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
-    def start(self) -> None:
+    def start(self, as_user: tuple[str, str] | None = None) -> None:
+        """Start it; ``as_user``: (user, password) to ping it as, where the default user is off."""
+        self.user = as_user or self.user
         self.process = subprocess.Popen(
             [
                 "redis-server",
@@ -47,6 +51,7 @@ class RedisServer:
                 "always",
                 "--save",
                 "",
+                *self.extra,
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -72,7 +77,10 @@ class RedisServer:
 
     def _pings(self) -> bool:
         try:
-            with redis.Redis.from_url(self.url, socket_connect_timeout=0.2, socket_timeout=0.2) as client:
+            username, password = self.user or (None, None)
+            with redis.Redis.from_url(
+                self.url, socket_connect_timeout=0.2, socket_timeout=0.2, username=username, password=password
+            ) as client:
                 return bool(client.ping())
         except redis.RedisError:
             return False

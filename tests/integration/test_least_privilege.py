@@ -7,21 +7,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
 import aio_pika
 import aiormq
 import pytest
-import redis
 
+import redis
+from orchestrator.access import AccessRole, acl_file
 from orchestrator.client import SyncClient
 from orchestrator.keys.ring import KeyState, Scope
 from orchestrator.keys.ringfile import KeyEntry, RingFile, write_ring_file, write_secret_file
 from tests.faults.invariants import assert_no_violations, check_runs
 from tests.integration.own_redis import RedisServer
 from tests.integration.refusals import NAMES
-from tests.integration.stack import Stack, rabbitmqctl
+from tests.integration.stack import ROOT, Stack, rabbitmqctl
 
 pytestmark = pytest.mark.services
 
@@ -150,3 +152,27 @@ def test_provisioning_again_keeps_each_roles_password(provisioned: tuple[Stack, 
     assert done.returncode == 0, done.stderr
     assert {role: role_env(secrets, role) for role in ROLES} == before
     assert oct((secrets / "orchestrator.env").stat().st_mode & 0o777) == "0o600"
+
+
+def test_the_composes_redis_acl_file_loads_and_refuses_what_each_role_may_not(tmp_path: Path) -> None:
+    """redis/users.acl (docker-compose's Redis) is what saga provision writes for the placeholder passwords,
+    and a real redis-server takes it: the default user is off, and each role is held to its rules."""
+    acl = ROOT / "redis" / "users.acl"
+    passwords = {role: f"{role.value}-dev-password" for role in AccessRole}
+    assert acl.read_text() == acl_file("saga", passwords), (
+        "redis/users.acl is out of date: run saga provision --no-redis --no-rabbitmq --secrets-dir "
+        "/tmp/placeholders --password ROLE:ROLE-dev-password (every role) --redis-acl-file redis/users.acl"
+    )
+    server = RedisServer(tmp_path, "--aclfile", str(acl))
+    server.start(as_user=("saga-admin", "admin-dev-password"))
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=5) as anonymous:
+            anonymous.sendall(b"PING\r\n")
+            assert anonymous.recv(100).startswith(b"-NOAUTH")
+        url = f"redis://saga-orchestrator:orchestrator-dev-password@127.0.0.1:{server.port}/0"
+        with redis.Redis.from_url(url) as orchestrator:
+            assert orchestrator.set("saga:{x}:y", "1")
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                orchestrator.flushall()
+    finally:
+        server.stop()

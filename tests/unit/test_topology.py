@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from orchestrator.access import AccessRole, rabbitmq_permissions
 from orchestrator.bus.names import Names
 from orchestrator.bus.topology import (
     Binding,
@@ -30,7 +31,14 @@ ROOT = Path(__file__).resolve().parents[2]
 DEFINITIONS_FILE = ROOT / "rabbitmq" / "definitions.json"
 #: The compose broker loads the file at boot, which skips rabbitmq.conf's default_user: the file carries it.
 COMPOSE_USERS = [("saga", "saga-dev-password")]
-REGENERATE = "saga topology export --user saga:saga-dev-password --output rabbitmq/definitions.json"
+#: ... and a least-privilege user per role (orchestrator/access.py), with placeholder passwords
+COMPOSE_ROLES = ("orchestrator", "worker", "client", "server")
+ROLE_OPTIONS = [f"--role-user={role}:{role}-dev-password" for role in COMPOSE_ROLES]
+REGENERATE = (
+    "saga topology export --user saga:saga-dev-password "
+    + " ".join(ROLE_OPTIONS)
+    + " --output rabbitmq/definitions.json"
+)
 
 NAMES = Names()
 RUNS_EXCHANGE, TASKS_EXCHANGE = NAMES.runs_exchange, NAMES.tasks_exchange
@@ -365,11 +373,17 @@ def test_definitions_file_is_in_sync_with_the_topology() -> None:
     """rabbitmq/definitions.json is generated from the default settings and registry: after changing either
     (or bus names, or the topology), regenerate it."""
     settings = Settings()
+    roles = []
+    for role in COMPOSE_ROLES:
+        allowed = rabbitmq_permissions(settings.namespace, AccessRole(role))
+        roles.append(
+            (f"saga-{role}", f"{role}-dev-password", (allowed.configure, allowed.write, allowed.read))
+        )
     expected = to_definitions(
-        topology_for(settings, Registry.from_modules(settings.contracts)), "/", COMPOSE_USERS
+        topology_for(settings, Registry.from_modules(settings.contracts)), "/", COMPOSE_USERS, roles
     )
     text = json.dumps(expected, indent=2, sort_keys=True) + "\n"
     assert DEFINITIONS_FILE.read_text() == text, (
         f"{DEFINITIONS_FILE.relative_to(ROOT)} is out of date with the topology; run `{REGENERATE}`"
     )
-    assert _export("--user", "saga:saga-dev-password") == text
+    assert _export("--user", "saga:saga-dev-password", *ROLE_OPTIONS) == text
