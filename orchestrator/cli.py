@@ -653,6 +653,7 @@ def dead_letters_show(
     else:
         queues = _dead_letter_queues(queue, modules, registry_file)
         found = _on_broker(lambda c: deadletters.show(c, queues, message_id, missing_ok=queue is None))
+        found = asyncio.run(deadletters.redacted(found, load_settings()))
     if as_json:
         _emit_json([detail.document() for detail in found])
         return

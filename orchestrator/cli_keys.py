@@ -110,7 +110,8 @@ def _row(path: Path, entry: KeyEntry, grace_ms: int) -> dict[str, Any]:
     type=click.Choice([s.value for s in Scope if s is not Scope.ANY]),
     help="orchestrator: releases and refills; dispatch: tasks, cancellations, finished runs; worker: "
     "results of its contracts; client: starts and cancels of its tenant; operator: cancels, re-drives, "
-    "replays; server: the control-plane server, for its tenants.",
+    "replays; server: the control-plane server, for its tenants; data: signs nothing, keys the hash "
+    "that marks sensitive values.",
 )
 @click.option("--contract", "contracts", multiple=True, help="Worker keys: a contract its pool serves.")
 @click.option(

@@ -15,7 +15,7 @@ from orchestrator import observe, views
 from orchestrator.cli_runtime import _emit, _run, _settings
 from orchestrator.client import WaitTimeout
 from orchestrator.engine.model import RunStatus, StageStatus
-from orchestrator.keys.reload import signer_for, tenant_scope
+from orchestrator.keys.reload import data_key, signer_for, tenant_scope
 from orchestrator.remote import remote_client
 from orchestrator.settings import Settings, redis_client
 from orchestrator.store import worker_registry
@@ -263,7 +263,9 @@ def _scope(settings: Settings) -> str | None:
 async def _history(settings: Settings, run_id: str) -> list[dict[str, Any]]:
     client = redis_client(settings)
     try:
-        return await observe.run_history(client, settings.key_prefix, run_id, _scope(settings))
+        return await observe.run_history(
+            client, settings.key_prefix, run_id, _scope(settings), data_key(settings)
+        )
     finally:
         await client.aclose()
 

@@ -36,6 +36,7 @@ so they stay.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import hashlib
 import json
 import re
@@ -57,8 +58,10 @@ from orchestrator.bus.names import DLQ_SUFFIX, Names
 from orchestrator.bus.reissue import Reissue, reissued
 from orchestrator.bus.topology import Topology
 from orchestrator.errors import SagaError
-from orchestrator.keys.reload import signer_for
-from orchestrator.settings import Settings
+from orchestrator.keys.reload import data_key, signer_for
+from orchestrator.redaction import Redactor, letter_secrets
+from orchestrator.settings import Settings, redis_client
+from orchestrator.store.redis_store import PlanNotFound, RedisStore
 
 #: Headers ``Publisher.reject`` sets on a message it parks on saga.rejected.
 REASON_HEADER = "x-saga-reason"
@@ -316,6 +319,34 @@ def describe(
         delivery_count=delivery_count if isinstance(delivery_count, int) else 0,
         tenant=_field(fields, "tenant") or (DEFAULT_TENANT if fields else None),
     )
+
+
+async def redacted(details: list[Detail], settings: Settings) -> list[Detail]:
+    """``details`` with the sensitive values their bodies carry marked (``orchestrator/redaction.py``), by
+    the schemas of the plan each names: what ``show`` prints. A body whose plan is gone is shown as it is."""
+    client = redis_client(settings)
+    store = RedisStore(client, settings.key_prefix)
+    key = data_key(settings)
+    try:
+        shown = []
+        for detail in details:
+            fields = _envelope_fields(detail.body)
+            body = fields.get("body")
+            digest = fields.get("digest") or (body.get("digest") if isinstance(body, Mapping) else None)
+            secrets: list[Any] = []
+            if isinstance(digest, str) and digest:
+                try:
+                    secrets = letter_secrets(fields, await store.plan(digest))
+                except PlanNotFound:
+                    secrets = []
+            if not secrets:
+                shown.append(detail)
+                continue
+            scrubbed = Redactor.of(secrets, key).scrub(dict(fields))
+            shown.append(dataclasses.replace(detail, body=json.dumps(scrubbed, ensure_ascii=False).encode()))
+        return shown
+    finally:
+        await client.aclose()
 
 
 def replay_reissue(settings: Settings, message_id: str | None) -> Reissue | None:

@@ -23,12 +23,15 @@ from orchestrator.bus.envelope import DEFAULT_TENANT
 from orchestrator.bus.names import SERIAL_TASKS
 from orchestrator.client import RunNotFound, is_final, refused_document, status_document, visible
 from orchestrator.engine.model import StageStatus
+from orchestrator.keys.reload import data_key
+from orchestrator.redaction import Redactor, run_secrets
 from orchestrator.settings import Settings, redis_client
 from orchestrator.shardmap import ShardMap
 from orchestrator.store import shardmap_store
 from orchestrator.store.facets import listing_facet
 from orchestrator.store.keys import ShardKeys, refused_key
 from orchestrator.store.redis_store import PlanNotFound, RedisStore
+from orchestrator.store.spec import snapshot_from_record
 from workers.serial_lane import holder_of, lane_key
 
 #: How long ``wait`` and ``watch`` give a run id that is not there yet (its start may still be on its
@@ -139,7 +142,15 @@ async def status_view(
     view = views.enrich(document, record, plan, inputs=inputs)
     if probe is not None:
         await _add_waits(client, settings, view, plan, probe)
-    return view
+    scrubbed: dict[str, Any] = redactor_of(record, plan, data_key(settings)).scrub(view)
+    return scrubbed
+
+
+def redactor_of(record: Mapping[str, str], plan: Mapping[str, Any], key: bytes | None) -> Redactor:
+    """What hides a run's sensitive values (``orchestrator/redaction.py``) where it is shown."""
+    snapshot = snapshot_from_record(record, {})
+    results = {name: rec.result for name, rec in snapshot.stages.items() if rec.result is not None}
+    return Redactor.of(run_secrets(snapshot.context, results, plan), key)
 
 
 async def _add_waits(
@@ -213,18 +224,26 @@ async def follow(
 
 
 async def run_history(
-    client: aioredis.Redis, prefix: str, run_id: str, tenant: str | None = None
+    client: aioredis.Redis, prefix: str, run_id: str, tenant: str | None = None, key: bytes | None = None
 ) -> list[dict[str, Any]]:
-    """A run's history; raises RunNotFound (for ``tenant``, as :func:`read_record`)."""
+    """A run's history, its sensitive values marked (``key``: the marks' hash key); raises RunNotFound
+    (for ``tenant``, as :func:`read_record`)."""
     store = RedisStore(client, prefix)
     shard = await store.owner(run_id)
     if shard is None:
         raise RunNotFound(run_id)
-    if tenant is not None:
-        owner = await client.hget(ShardKeys(prefix, shard).run(run_id), "tenant")  # type: ignore[misc]
-        if (owner or DEFAULT_TENANT) != tenant:
-            raise RunNotFound(run_id)
-    return await store.history(shard, run_id)
+    record: dict[str, str] = await client.hgetall(ShardKeys(prefix, shard).run(run_id))  # type: ignore[misc]
+    if tenant is not None and (record.get("tenant") or DEFAULT_TENANT) != tenant:
+        raise RunNotFound(run_id)
+    events = await store.history(shard, run_id)
+    if not record.get("digest"):
+        return events
+    try:
+        plan = await store.plan(record["digest"])
+    except PlanNotFound:
+        return events
+    scrubbed: list[dict[str, Any]] = redactor_of(record, plan, key).scrub(events)
+    return scrubbed
 
 
 # ---- listing runs -------------------------------------------------------------------------------------

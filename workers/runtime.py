@@ -60,6 +60,7 @@ from orchestrator.bus.inbound import Delivered, Subscription
 from orchestrator.bus.names import SERIAL_TASKS, Names
 from orchestrator.bus.publisher import Publisher
 from orchestrator.bus.topology import TaskQueueLayout, declare_task_queue
+from orchestrator.redaction import Redactor, marks_any, sensitive_values
 from orchestrator.store.worker_registry import Presence, WorkerInfo
 from orchestrator.trace import TRACE
 from orchestrator.wire import bodies, ids, sizes
@@ -716,8 +717,9 @@ class WorkerRuntime:
     ) -> Outcome:
         """Run the task's handler; ``turn`` is given back once the handler has returned, which for a
         cancelled thread-pool handler may be after this returns the cancelled outcome."""
+        handler = self.handlers[envelope.contract or ""]  # _handle refused any other contract
+        output: Any = None
         try:
-            handler = self.handlers[envelope.contract or ""]  # _handle refused any other contract
             try:
                 payload = handler.input_model.model_validate(task.input)
             except ValidationError as exc:
@@ -741,9 +743,23 @@ class WorkerRuntime:
         except _Cancelled:
             return Outcome(False, "cancelled: the orchestrator asked this attempt to stop", cancelled=True)
         except Exception as exc:  # the handler's failure is the stage's failure, reported, not requeued
-            log.info("task %s of run %s failed: %s", envelope.stage, envelope.run_id, exc)
+            # its text may quote the task's sensitive values (an error message, a validation error): it goes
+            # to the run's history and this log with them marked
+            error = self._redactor(handler, task.input, output).scrub(f"{type(exc).__name__}: {exc}")
+            log.info("task %s of run %s failed: %s", envelope.stage, envelope.run_id, error)
             retryable = not isinstance(exc, PermanentFailure)
-            return Outcome(False, f"{type(exc).__name__}: {exc}", retryable=retryable)
+            return Outcome(False, error, retryable=retryable)
+
+    def _redactor(self, handler: Handler, task_input: Any, output: Any) -> Redactor:
+        """What marks the task's sensitive values (its input's, its output's) in what it reports."""
+        contract = handler.contract
+        found = (
+            sensitive_values(task_input, contract.input_schema) if marks_any(contract.input_schema) else []
+        )
+        if output is not None and marks_any(contract.output_schema):
+            shown = output.model_dump(mode="json") if isinstance(output, BaseModel) else output
+            found += sensitive_values(shown, contract.output_schema)
+        return Redactor.of(found, self.signer.ring.data_secret())
 
     async def _run_cancellable(
         self,

@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, Field, ValidationError
 
 from orchestrator.contracts import (
     ACTIONS_QUEUE,
@@ -47,9 +47,16 @@ from orchestrator.contracts import (
     strip_annotations,
 )
 from orchestrator.errors import ContractError
+from orchestrator.redaction import SENSITIVE
 
 HANDLER_ATTRIBUTE = "__saga_handler__"
 HANDLERS_ATTRIBUTE = "__saga_handlers__"
+
+
+#: Marks a contract field sensitive: ``card: Annotated[str, Sensitive]``. Its value is never shown (run
+#: status, history, logs, the API and console, dead letters): a marker with a short keyed hash stands in
+#: for it (``orchestrator/redaction.py``). Handlers get the real value.
+Sensitive = Field(json_schema_extra={SENSITIVE: True})
 
 
 class PermanentFailure(Exception):

@@ -35,6 +35,7 @@ from orchestrator.engine.model import (
     Write,
 )
 from orchestrator.engine.plan import Bag, Plan, Work
+from orchestrator.redaction import WITHHELD, path_is_sensitive
 from orchestrator.wire import bodies, ids, sizes
 from orchestrator.wire.kinds import Kind
 from orchestrator.wire.outgoing import Outgoing
@@ -327,7 +328,8 @@ def context_problems(plan: Plan, context: Mapping[str, Any]) -> list[str]:
         return []
     validator = validator_for(schema)
     return [
-        f"{'.'.join(str(p) for p in e.absolute_path) or 'context'}: {e.message}"
+        f"{'.'.join(str(p) for p in e.absolute_path) or 'context'}: "
+        + (f"{WITHHELD} fails '{e.validator}'" if path_is_sensitive(schema, e.absolute_path) else e.message)
         for e in sorted(validator.iter_errors(dict(context)), key=lambda e: list(e.absolute_path))
     ]
 

@@ -25,6 +25,7 @@ from referencing.exceptions import Unresolvable
 
 from orchestrator.dsl.fastcheck import certainly_fits
 from orchestrator.engine.plan import Plan
+from orchestrator.redaction import WITHHELD, path_is_sensitive
 from orchestrator.wire import sizes
 
 __all__ = ["output_problem", "output_validator"]
@@ -84,10 +85,18 @@ def output_problem(plan: Plan, ref: str, result: Any) -> str | None:
         return f"the output schema of {ref} cannot check results: {_short(str(exc))}"
     if not errors:
         return None
-    shown = "; ".join(f"{_where(e)}: {_short(e.message)}" for e in errors[:MAX_SHOWN_ERRORS])
+    shown = "; ".join(f"{_where(e)}: {_message(schema, e)}" for e in errors[:MAX_SHOWN_ERRORS])
     more = len(errors) - MAX_SHOWN_ERRORS
     tail = f" (and {more} more)" if more > 0 else ""
     return sizes.bounded(f"the result does not fit the output schema of {ref}: {shown}{tail}")
+
+
+def _message(schema: Mapping[str, Any], error: jsonschema.ValidationError) -> str:
+    """The error's message; for a sensitive place, one that does not quote the value (it would go to the
+    run's history)."""
+    if path_is_sensitive(schema, error.absolute_path):
+        return f"{WITHHELD} fails '{error.validator}'"
+    return _short(error.message)
 
 
 def _where(error: jsonschema.ValidationError) -> str:

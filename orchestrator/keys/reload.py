@@ -76,6 +76,13 @@ def signer_for(settings: Settings) -> Signer:
     return Signer(ring)
 
 
+def data_key(settings: Settings) -> bytes | None:
+    """The key ring's ``data`` key, which marks sensitive values where they are shown (None without a
+    ring, or where this process does not hold it)."""
+    source = source_of(settings)
+    return source.load().data_secret() if source is not None else None
+
+
 def tenant_scope(signer: Signer, settings: Settings) -> str | None:
     """The tenant whose runs this process sees and acts on: that of the client key it starts runs with,
     unless that is the platform's own tenant (``SAGA_PLATFORM_TENANT``); None (every tenant's) for an

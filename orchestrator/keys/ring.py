@@ -30,6 +30,7 @@ class Scope(StrEnum):
     CLIENT = "client"  # a service: starts and run cancels, for its one tenant
     OPERATOR = "operator"  # a person: run cancels, re-drives, and dead letters replayed (re-signed)
     SERVER = "server"  # the control-plane server: what its tokens may ask, for the tokens' tenants
+    DATA = "data"  # signs nothing: keys the hash that marks a sensitive value where it is shown
 
 
 class KeyState(StrEnum):
@@ -55,6 +56,7 @@ SCOPE_KINDS: Mapping[Scope, frozenset[Kind]] = {
     Scope.CLIENT: frozenset({Kind.START, Kind.CANCEL_RUN}),
     Scope.OPERATOR: frozenset({Kind.CANCEL_RUN, Kind.REDRIVE, *SHARD_INBOUND}),
     Scope.SERVER: frozenset({Kind.START, Kind.CANCEL_RUN, Kind.REDRIVE, *SHARD_INBOUND}),
+    Scope.DATA: frozenset(),
 }
 
 #: What each scope signs of its own accord: an operator's and the server's keys sign other kinds only when
@@ -185,6 +187,13 @@ class Ring:
             why = f"key {key_id!r} was retired and its grace period of {self.retire_grace_ms} ms has passed"
             return "retired-key", why
         return key
+
+    def data_secret(self) -> bytes | None:
+        """The secret of the active ``data`` key this process holds (None: it holds none)."""
+        for key in self.keys:
+            if key.scope is Scope.DATA and key.state is KeyState.ACTIVE and key.secret is not None:
+                return key.secret
+        return None
 
     def held(self) -> tuple[RingKey, ...]:
         return tuple(k for k in self.keys if k.secret is not None)

@@ -100,7 +100,7 @@ async def _visible_letter(
     visible = [d for d in found if scope is None or d.letter.tenant == scope]
     if not visible:
         raise deadletters.MessageNotFound(message_id, await _queues(request, queue))
-    return visible
+    return await deadletters.redacted(visible, request.app.state.settings)
 
 
 class Replay(BaseModel):

@@ -12,6 +12,7 @@ from pydantic import BaseModel, Field
 
 from orchestrator import observe
 from orchestrator.client import Client
+from orchestrator.keys.reload import data_key
 from orchestrator.server.auth import Canceller, Reader, Redriver, Starter, tenant_scope
 from orchestrator.server.errors import ApiError
 
@@ -91,7 +92,9 @@ async def status(run_id: str, request: Request, who: Reader, inputs: bool = Fals
 @router.get("/{run_id}/history")
 async def history(run_id: str, request: Request, who: Reader) -> dict[str, Any]:
     app = request.app.state
-    events = await observe.run_history(app.redis, app.settings.key_prefix, run_id, tenant_scope(request, who))
+    events = await observe.run_history(
+        app.redis, app.settings.key_prefix, run_id, tenant_scope(request, who), data_key(app.settings)
+    )
     return {"run_id": run_id, "events": events}
 
 

@@ -1,0 +1,171 @@
+"""Sensitive values against the real services (orchestrator/redaction.py): a run of a definition whose
+context and contracts mark a card number and a token sensitive completes, its worker gets the real
+values, and neither value appears anywhere a person or a tool looks: the run's history stream as Redis
+holds it, the orchestrator's and the worker's logs, ``saga status`` and ``saga history``, the API, and
+the dead-letter listing and ``show`` of a message that carried one. Each appears as a marker with a keyed
+hash, the same marker wherever the same value is."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from orchestrator.auth.roles import Role
+from orchestrator.auth.tokens import TokenStore
+from orchestrator.bus.envelope import Envelope, Signer, encode
+from orchestrator.client import SyncClient
+from orchestrator.contracts import Registry
+from orchestrator.keys.ring import KeyState, Scope
+from orchestrator.keys.ringfile import KeyEntry, RingFile, load_ring, write_ring_file, write_secret_file
+from orchestrator.provision import provision
+from orchestrator.settings import redis_client
+from orchestrator.store.keys import ShardKeys
+from orchestrator.wire import ids
+from orchestrator.wire.kinds import Kind
+from tests.faults.invariants import assert_no_violations, check_runs
+from tests.integration.own_redis import free_port
+from tests.integration.refusals import NAMES, parked_one
+from tests.integration.served import answers
+from tests.integration.stack import Stack, now_ms, poll
+
+pytestmark = pytest.mark.services
+
+PROBES = Path(__file__).parent / "probe_apps"
+APP = "tests.integration.probe_apps.payments"
+CARD = "4111222233334444"
+TOKEN = "tok-" + CARD[::-1]
+MARKER = re.compile(r"\[sensitive:[0-9a-f]{8}\]")
+
+
+def entry(key_id: str, scope: Scope, **more: object) -> KeyEntry:
+    return KeyEntry.model_validate(
+        {"id": key_id, "scope": scope, "state": KeyState.ACTIVE, "secret_file": f"{key_id}.key", **more}
+    )
+
+
+RING = [
+    entry("orch", Scope.ORCHESTRATOR),
+    entry("dispatch", Scope.DISPATCH),
+    entry("pool", Scope.WORKER, contracts=["*"]),
+    entry("client", Scope.CLIENT, tenants=["default"]),
+    entry("server", Scope.SERVER, tenants=["*"]),
+    entry("data", Scope.DATA),
+]
+
+
+@pytest.fixture(scope="module")
+def paying(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, Path, str]]:
+    folder = tmp_path_factory.mktemp("redaction")
+    for e in RING:
+        write_secret_file(folder / f"{e.id}.key")
+    write_ring_file(folder / "ring.yaml", RingFile(keys=RING))
+    stack = Stack("redaction", env={"SAGA_KEY_RING_FILE": str(folder / "ring.yaml")})
+    stack.setup()
+    asyncio.run(provision(stack.settings, Registry.from_modules([APP]), [PROBES / "probe-payment.yaml"]))
+    try:
+        stack.start_orchestrator()
+        stack.start_worker("worker", "--app", APP)
+        port = free_port()
+        stack._spawn("server", ["server", "--port", str(port)], None)
+        base = f"http://127.0.0.1:{port}"
+        poll(lambda: answers(base + "/readyz"), 30, what="the server ready")
+        yield stack, folder, base
+    finally:
+        stack.teardown()
+
+
+def test_sensitive_values_reach_the_worker_and_nowhere_else(paying: tuple[Stack, Path, str]) -> None:
+    stack, folder, base = paying
+    settings = stack.settings.model_copy(update={"key_ring_file": str(folder / "ring.yaml")})
+    # Given a run charging a card, whose first attempt fails quoting the card
+    with SyncClient(settings) as client:
+        run_id = client.start("probe-payment", {"card": CARD, "amount": 42})
+        assert client.wait(run_id, timeout_s=60).state == "completed"
+    record = stack.record(run_id)
+    # Then the worker got the real card (its token is derived from it) and the run kept what it needs
+    assert json.loads(record["s:charge:result"])["token"] == TOKEN
+    # And a result that carried the token, replayed too late, is parked on saga.rejected
+    keys = Signer(load_ring(folder / "ring.yaml", 0, {}))
+    late = keys.sign(
+        Envelope(
+            kind=Kind.RESULT,
+            message_id=ids.result_id(ids.stage_task_id(run_id, "charge", record["s:charge:fence"], None, 2)),
+            run_id=run_id,
+            shard=record["shard"],
+            stage="charge",
+            attempt=2,
+            fence=record["s:charge:fence"],
+            digest=record["digest"],
+            contract="probe.charge@1",
+            issued_at_ms=now_ms() - 3 * 86_400_000,
+            body={"ok": True, "result": {"token": TOKEN, "last4": "4444"}},
+        )
+    )
+    stack.publish_raw(NAMES.runs_exchange, record["shard"], encode(late))
+    poll(lambda: parked_one(stack, late.message_id), 30, what="the late result parked")
+    # When every place a person or a tool looks is read
+    token = asyncio.run(_token(stack))
+    headers = {"Authorization": f"Bearer {token}"}
+    api = {
+        f"GET {path} {params}": httpx.get(base + path, params=params, headers=headers, timeout=30).text
+        for path, params in (
+            (f"/api/v1/runs/{run_id}", {}),
+            (f"/api/v1/runs/{run_id}", {"inputs": "true"}),
+            (f"/api/v1/runs/{run_id}/history", {}),
+            (f"/api/v1/dead-letters/{late.message_id}", {}),
+        )
+    }
+    cli = {
+        args: stack.saga(*args).stdout
+        for args in (
+            ("status", run_id, "--json"),
+            ("status", run_id, "--inputs"),
+            ("history", run_id, "--json"),
+            ("dead-letters", "list", "--queue", NAMES.rejected_queue, "--json"),
+            ("dead-letters", "show", late.message_id, "--json"),
+            ("dead-letters", "show", late.message_id),
+        )
+    }
+    history_key = ShardKeys(stack.prefix, record["shard"]).history(run_id)
+    stored_history = json.dumps(stack.redis.xrange(history_key))
+    logs = {f"{name}.log": stack.log(name) for name in ("orchestrator", "worker", "server")}
+    # Then neither value is anywhere
+    places = {
+        **api,
+        **{" ".join(args): text for args, text in cli.items()},
+        "history": stored_history,
+        **logs,
+    }
+    for place, text in places.items():
+        assert CARD not in text and TOKEN not in text, place
+    # (the views answered, with the values marked: none is empty or an error)
+    shown = [*api.values(), *(text for args, text in cli.items() if "list" not in args)]
+    assert all(MARKER.search(text) for text in shown), [
+        text[:200] for text in shown if not MARKER.search(text)
+    ]
+    # ... and each shows as one marker with a keyed hash, the same wherever it is
+    status = json.loads(cli[("status", run_id, "--json")])
+    token_marker = status["output"]["token"]
+    assert MARKER.fullmatch(token_marker) and status["output"]["last4"] == "4444"
+    assert status["stages"]["charge"]["result"]["token"] == token_marker
+    [shown] = json.loads(cli[("dead-letters", "show", late.message_id, "--json")])
+    assert shown["body"]["body"]["result"]["token"] == token_marker
+    history = json.loads(cli[("history", run_id, "--json")])["events"]
+    [failed] = [e for e in history if e["kind"] == "stage.failed"]
+    assert MARKER.search(failed["error"]) and "was declined" in failed["error"]
+    assert_no_violations(check_runs(stack.redis, stack.prefix, [run_id]), "the shared invariants")
+
+
+async def _token(stack: Stack) -> str:
+    client = redis_client(stack.settings)
+    try:
+        secret, _ = await TokenStore(client, stack.prefix).create("reader", Role.OPERATOR, actor="tests")
+        return secret
+    finally:
+        await client.aclose()
