@@ -165,11 +165,11 @@ def wait(run_id: str, timeout_s: float, as_json: bool) -> None:
 
 async def _wait(settings: Settings, run_id: str, timeout_s: float) -> dict[str, Any] | None:
     client = redis_client(settings)
-    scope = _scope(settings)
+    scope, key = _scope(settings), data_key(settings)
     try:
 
         async def read() -> dict[str, Any]:
-            return await observe.run_document(client, settings.key_prefix, run_id, scope)
+            return await observe.run_document(client, settings.key_prefix, run_id, scope, key)
 
         return await observe.follow(read, run_id, timeout_s=timeout_s, interval_s=0.1)
     finally:

@@ -25,8 +25,8 @@ from orchestrator.cli_errors import SERVICE_ERRORS, CliError, CodedUsageError, u
 from orchestrator.cli_options import metrics_options
 from orchestrator.client import Client, RedriveRefused
 from orchestrator.durability import DurabilityRefused, Role, check_startup
-from orchestrator.keys.reload import signer_for, start_reloading, tenant_scope
-from orchestrator.observe import RunFilter, list_runs
+from orchestrator.keys.reload import data_key, signer_for, start_reloading, tenant_scope
+from orchestrator.observe import RunFilter, list_runs, run_document
 from orchestrator.reconcile import Reconciler, Report
 from orchestrator.remote import Remote, remote_client
 from orchestrator.settings import Settings, redis_client
@@ -417,7 +417,8 @@ def start(
             if wait_s is None:
                 return {"run_id": run_id, "state": "pending"}
             result = await client.wait(run_id, timeout_s=wait_s)
-            return {"run_id": run_id, "state": result.state, "output": result.output, "reason": result.reason}
+            output = result.output if remote else await _shown_output(settings, run_id)
+            return {"run_id": run_id, "state": result.state, "output": output, "reason": result.reason}
 
     document = _run(go())
     if as_json:
@@ -628,6 +629,16 @@ def reconcile(dry_run: bool, min_age_s: float, stranded_after_s: float, as_json:
     )
     for run_id in report.stranded:
         click.echo(f"  stranded run {run_id}")
+
+
+async def _shown_output(settings: Settings, run_id: str) -> Any:
+    """The run's output as it is shown: its sensitive values marked."""
+    client = redis_client(settings)
+    try:
+        document = await run_document(client, settings.key_prefix, run_id, key=data_key(settings))
+        return document["output"]
+    finally:
+        await client.aclose()
 
 
 async def _list_runs(settings: Settings, state: str | None) -> list[dict[str, Any]]:

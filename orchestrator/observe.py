@@ -103,17 +103,27 @@ async def read_record(
 
 
 async def run_document(
-    client: aioredis.Redis, prefix: str, run_id: str, tenant: str | None = None
+    client: aioredis.Redis, prefix: str, run_id: str, tenant: str | None = None, key: bytes | None = None
 ) -> dict[str, Any]:
-    """``client.status_document`` of a run, or of a run id whose start the shard refused (state
-    ``refused``, with the reason); raises RunNotFound (for ``tenant``, as :func:`read_record`)."""
+    """``client.status_document`` of a run (its output's sensitive values marked, ``key`` keying the
+    marks), or of a run id whose start the shard refused (state ``refused``, with the reason); raises
+    RunNotFound (for ``tenant``, as :func:`read_record`)."""
     try:
-        return status_document(await read_record(client, prefix, run_id, tenant))
+        record = await read_record(client, prefix, run_id, tenant)
     except RunNotFound:
         refused = await client.hgetall(refused_key(prefix, run_id))  # type: ignore[misc]
         if refused and visible(refused, tenant):
             return refused_document(run_id, refused)
         raise
+    document = status_document(record)
+    if document["output"] is None:
+        return document
+    try:
+        plan = await RedisStore(client, prefix).plan(str(document["digest"]))
+    except PlanNotFound:
+        return document
+    scrubbed: dict[str, Any] = redactor_of(record, plan, key).scrub(document)
+    return scrubbed
 
 
 async def status_view(

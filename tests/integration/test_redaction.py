@@ -127,6 +127,8 @@ def test_sensitive_values_reach_the_worker_and_nowhere_else(paying: tuple[Stack,
             ("status", run_id, "--json"),
             ("status", run_id, "--inputs"),
             ("history", run_id, "--json"),
+            ("wait", run_id, "--json"),
+            ("runs", "--json"),
             ("dead-letters", "list", "--queue", NAMES.rejected_queue, "--json"),
             ("dead-letters", "show", late.message_id, "--json"),
             ("dead-letters", "show", late.message_id),
@@ -145,7 +147,7 @@ def test_sensitive_values_reach_the_worker_and_nowhere_else(paying: tuple[Stack,
     for place, text in places.items():
         assert CARD not in text and TOKEN not in text, place
     # (the views answered, with the values marked: none is empty or an error)
-    shown = [*api.values(), *(text for args, text in cli.items() if "list" not in args)]
+    shown = [*api.values(), *(text for args, text in cli.items() if not {"list", "runs"} & set(args))]
     assert all(MARKER.search(text) for text in shown), [
         text[:200] for text in shown if not MARKER.search(text)
     ]
@@ -169,3 +171,16 @@ async def _token(stack: Stack) -> str:
         return secret
     finally:
         await client.aclose()
+
+
+def test_saga_start_wait_shows_the_output_with_its_sensitive_values_marked(
+    paying: tuple[Stack, Path, str],
+) -> None:
+    stack, _, _ = paying
+    card = "5500111122223333"
+    context = json.dumps({"card": card, "amount": 7})
+    done = stack.saga("start", "probe-payment", "--context", context, "--wait", "60", "--json")
+    assert done.returncode == 0, done.stderr
+    shown = json.loads(done.stdout)
+    assert shown["state"] == "completed" and MARKER.fullmatch(shown["output"]["token"])
+    assert card not in done.stdout + done.stderr and card[::-1] not in done.stdout + done.stderr
