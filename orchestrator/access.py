@@ -70,13 +70,17 @@ def redis_acl(prefix: str, role: AccessRole, password: str) -> list[str]:
     whatever the user had (``reset``)."""
     rules = ["reset", "on", f">{password}", *_keys(prefix, role), *_BASE]
     if role is AccessRole.CLIENT:
-        rules += ["+@read", "+set", "+eval", "+evalsha", "+subscribe", "+unsubscribe", "-@dangerous"]
+        # reads; claims (SET NX) and gives back (DEL, in a script) its idempotency keys; TIME (membership)
+        rules += ["+@read", "+set", "+del", "+eval", "+evalsha", "+subscribe", "+unsubscribe", "-@dangerous"]
+        rules += ["+time"]
     else:
         rules += _WORKING
+        if role in (AccessRole.WORKER, AccessRole.SERVER):
+            rules += ["-fcall", "-fcall_ro", "-function"]  # the transitions are the orchestrator's alone
         if role is AccessRole.WORKER:
-            rules += ["-fcall", "-function"]  # the transitions are the orchestrator's alone
-        else:
-            rules += _NO_FUNCTION_CHANGES if role is not AccessRole.ADMIN else []
+            rules += ["-scan", "-randomkey", "-pubsub"]  # not even the names of keys it may not read
+        elif role is AccessRole.ORCHESTRATOR:
+            rules += _NO_FUNCTION_CHANGES
     return [*rules, *_CLUSTER]
 
 
@@ -109,7 +113,8 @@ def rabbitmq_permissions(namespace: str, role: AccessRole) -> Permissions:
     if role is AccessRole.WORKER:
         return Permissions(
             configure=_any_of(task_queues, private),
-            write=_any_of(task_queues, private, rf"{ns}\.(runs|dlx)", r"amq\.default"),
+            # tasks: a container it cannot take whole goes back to it split, or a task it spills
+            write=_any_of(task_queues, private, rf"{ns}\.(runs|tasks|dlx)", r"amq\.default"),
             read=_any_of(task_queues, private, rf"{ns}\.(tasks|dlx|events)"),
         )
     if role is AccessRole.CLIENT:
@@ -121,8 +126,9 @@ def rabbitmq_permissions(namespace: str, role: AccessRole) -> Permissions:
             write=_any_of(rf"{ns}\.start\..*", rf"{ns}\.runs", r"amq\.default"),
             read=_any_of(dead_letters),
         )
+    everything = rf"{ns}\..*"  # the namespace's, not another's on a shared vhost
     return Permissions(
-        configure=_any_of(rf"{ns}\..*"), write=_any_of(rf"{ns}\..*", r"amq\.default"), read=".*"
+        configure=_any_of(everything), write=_any_of(everything, r"amq\.default"), read=_any_of(everything)
     )
 
 
@@ -147,7 +153,7 @@ def rabbitmq_definitions(
                 "name": name,
                 "password_hash": rabbitmq_password_hash(password),
                 "hashing_algorithm": "rabbit_password_hashing_sha256",
-                "tags": ["administrator"] if role is AccessRole.ADMIN else [],
+                "tags": [],  # none: the management UI's administrators are the broker's, not saga's
             }
         )
         allowed = rabbitmq_permissions(namespace, role)

@@ -25,6 +25,7 @@ from orchestrator.keys.ringfile import (
     RingFile,
     activated,
     added,
+    editing,
     read_ring_file,
     read_secret,
     retired,
@@ -154,11 +155,12 @@ def keys_add(
         )
     except ValueError as exc:
         raise CodedUsageError("key_invalid", _first_error(exc)) from exc
-    changed = added(read_ring_file(path), entry, _now_ms(), settings.actor)
-    where = secret_path(path, entry)
-    if where is not None:
-        write_secret_file(where)
-    write_ring_file(path, changed)
+    with editing(path):
+        changed = added(read_ring_file(path), entry, _now_ms(), settings.actor)
+        where = secret_path(path, entry)
+        if where is not None:
+            write_secret_file(where)
+        write_ring_file(path, changed)
     _report(as_json, path, changed, f"added key {key_id} ({entry.state.value})")
 
 
@@ -178,8 +180,9 @@ def keys_activate(key_id: str, as_json: bool) -> None:
     """KEY_ID signs from now on; the key it replaces (same scope, contracts or tenants) verifies only."""
     settings = _settings()
     path = _ring_path(settings)
-    changed = activated(read_ring_file(path), key_id, _now_ms(), settings.actor)
-    write_ring_file(path, changed)
+    with editing(path):
+        changed = activated(read_ring_file(path), key_id, _now_ms(), settings.actor)
+        write_ring_file(path, changed)
     _report(as_json, path, changed, f"activated key {key_id}")
 
 
@@ -191,8 +194,9 @@ def keys_retire(key_id: str, force: bool, as_json: bool) -> None:
     """KEY_ID signs nothing from now on, and verifies for SAGA_KEY_RETIRE_GRACE_MS more."""
     settings = _settings()
     path = _ring_path(settings)
-    changed = retired(read_ring_file(path), key_id, _now_ms(), settings.actor, force=force)
-    write_ring_file(path, changed)
+    with editing(path):
+        changed = retired(read_ring_file(path), key_id, _now_ms(), settings.actor, force=force)
+        write_ring_file(path, changed)
     grace_s = settings.key_retire_grace_ms / 1000
     _report(as_json, path, changed, f"retired key {key_id}: it verifies for {grace_s:g} s more")
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
 import click
+from redis.exceptions import ResponseError
 
 from orchestrator.access import (
     AccessRole,
@@ -91,7 +92,7 @@ def provision(
     settings = _settings()
     chosen = [AccessRole(r) for r in roles] or list(AccessRole)
     fixed = _given_passwords(given)
-    passwords = {role: fixed.get(role) or _password(secrets_dir, role) for role in chosen}
+    passwords = {role: _password(secrets_dir, role, fixed.get(role)) for role in chosen}
     if on_redis:
         _redis_users(settings, passwords)
     vhost = _vhost(settings.amqp_url)
@@ -122,13 +123,15 @@ def _given_passwords(given: tuple[str, ...]) -> dict[AccessRole, str]:
     return found
 
 
-def _password(folder: Path, role: AccessRole) -> str:
-    """The role's password: the one kept in its file, else a new one written there (owner only)."""
+def _password(folder: Path, role: AccessRole, given: str | None) -> str:
+    """The role's password: ``given`` (kept in its file from now on), else the one kept in its file, else
+    a new one written there (owner only), so that provisioning again never changes it unasked."""
     path = folder / f"{role.value}.password"
-    if path.exists():
+    if given is None and path.exists():
         return path.read_text().strip()
     folder.mkdir(parents=True, exist_ok=True)
-    password = new_secret()
+    password = given or new_secret()
+    path.unlink(missing_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as out:
         out.write(password + "\n")
@@ -136,22 +139,35 @@ def _password(folder: Path, role: AccessRole) -> str:
 
 
 def _redis_users(settings: Settings, passwords: dict[AccessRole, str]) -> None:
+    """Set each role's user on every node (a cluster's replicas too: a failover must find them), and save
+    them to the ACL file where the server keeps one (else a restart would lose them: a warning)."""
     client = sync_client(settings.redis_url, decode_responses=True)
     try:
-        nodes = client.get_primaries() if is_cluster_url(settings.redis_url) else [None]  # type: ignore[attr-defined]
-        for role, password in passwords.items():
-            rules = redis_acl(settings.key_prefix, role, password)
-            for node in nodes:
-                args = ["ACL", "SETUSER", user_name(settings.key_prefix, role), *rules]
-                if node is None:
-                    client.execute_command(*args)  # type: ignore[no-untyped-call]
-                else:
-                    client.execute_command(*args, target_nodes=node)  # type: ignore[no-untyped-call]
+        nodes = client.get_nodes() if is_cluster_url(settings.redis_url) else [None]  # type: ignore[attr-defined]
+        for node in nodes:
+            target = {} if node is None else {"target_nodes": node}
+            for role, password in passwords.items():
+                args = [
+                    "ACL",
+                    "SETUSER",
+                    user_name(settings.key_prefix, role),
+                    *redis_acl(settings.key_prefix, role, password),
+                ]
+                client.execute_command(*args, **target)  # type: ignore[no-untyped-call]
+            try:
+                client.execute_command("ACL", "SAVE", **target)  # type: ignore[no-untyped-call]
+            except ResponseError as exc:  # no aclfile: users live until a restart
+                click.echo(
+                    f"warning: Redis keeps no ACL file ({exc}): the users are lost on a restart; run Redis "
+                    "with --aclfile, or write them with --redis-acl-file and load that",
+                    err=True,
+                )
     except REDIS_ERRORS as exc:
         raise CliError(
             "provision_refused",
             f"could not set the Redis users ({type(exc).__name__}: {exc}): run saga provision with a "
-            "SAGA_REDIS_URL whose user may run ACL SETUSER (the default user, or an admin)",
+            "SAGA_REDIS_URL whose user may run ACL SETUSER (Redis's default user, or one with +acl); "
+            "the users it makes, saga's admin included, may not",
         ) from exc
     finally:
         client.close()
@@ -179,7 +195,7 @@ def _rabbitmq_users(settings: Settings, vhost: str, passwords: dict[AccessRole, 
             _ctl(ctl, "change_password", name, password)
         else:
             _ctl(ctl, "add_user", name, password)
-        _ctl(ctl, "set_user_tags", name, *(["administrator"] if role is AccessRole.ADMIN else []))
+        _ctl(ctl, "set_user_tags", name)  # none: management rights are the broker's administrators' alone
         _ctl(ctl, "set_permissions", "-p", vhost, name, allowed.configure, allowed.write, allowed.read)
 
 

@@ -24,7 +24,9 @@ _json = click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 
 
 def _checked(field: str) -> Any:
-    def check(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    def check(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+        if value is None:
+            return None
         try:
             return tokens.check_name(field, value)
         except TokenNameInvalid as exc:
@@ -47,19 +49,25 @@ def tokens_group() -> None:
     type=click.Choice([r.value for r in Role]),
     help="viewer reads; author publishes; approver governs versions; operator runs; admin all, and tokens.",
 )
-@click.option("--tenant", default="default", show_default=True, callback=_checked("tenant"))
+@click.option(
+    "--tenant",
+    default=None,
+    callback=_checked("tenant"),
+    help="Its tenant (default: 'default'; through --server, the caller's own).",
+)
 @_json
-def tokens_create(name: str, role: str, tenant: str, as_json: bool) -> None:
+def tokens_create(name: str, role: str, tenant: str | None, as_json: bool) -> None:
     """Create a token and print its secret (alone on stdout; the rest on stderr): the only time it is
     shown, as only its hash is stored. A name a live token holds is refused: revoke that one first."""
     settings = _settings()
 
     async def create() -> tuple[str, TokenRecord]:
         async with tokens.opened(settings) as store:
-            return await store.create(name, role, tenant, actor=settings.actor)
+            return await store.create(name, role, tenant or "default", actor=settings.actor)
 
     if remote := remote_client():
-        answer = _run(remote.request("POST", "/tokens", body={"name": name, "role": role, "tenant": tenant}))
+        body = {"name": name, "role": role, **({"tenant": tenant} if tenant else {})}
+        answer = _run(remote.request("POST", "/tokens", body=body))
         secret, record = answer["token"], _record_of(answer)
     else:
         secret, record = _run(create())
@@ -68,7 +76,8 @@ def tokens_create(name: str, role: str, tenant: str, as_json: bool) -> None:
         return
     # the secret alone on stdout (TOKEN=$(saga tokens create ...)); the rest for the person on stderr
     click.echo(
-        f"created token {record.name} (id {record.token_id}, role {record.role}, tenant {tenant})", err=True
+        f"created token {record.name} (id {record.token_id}, role {record.role}, tenant {record.tenant})",
+        err=True,
     )
     click.echo(secret)
     click.echo(f"warning: {_WARNING}", err=True)

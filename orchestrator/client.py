@@ -26,7 +26,7 @@ from pika.adapters.blocking_connection import BlockingChannel
 from redis.exceptions import ResponseError
 
 from orchestrator.bus.connect import blocking_parameters, connect_robust, untracked_channel
-from orchestrator.bus.envelope import DEFAULT_TENANT, Envelope, Signer, encode
+from orchestrator.bus.envelope import Envelope, Signer, encode
 from orchestrator.bus.publisher import PUBLISH_ATTEMPTS, Publisher
 from orchestrator.engine.door import start_problems
 from orchestrator.engine.model import TERMINAL_RUN_STATUSES, RunSnapshot, RunStatus
@@ -43,6 +43,7 @@ from orchestrator.store.keys import REFUSED, ShardKeys, finished_channel, index_
 from orchestrator.store.keys import idempotency_key as claim_key
 from orchestrator.store.spec import snapshot_from_record
 from orchestrator.wire import bodies
+from orchestrator.wire.bodies import DEFAULT_TENANT
 from orchestrator.wire.kinds import Kind
 
 log = logging.getLogger(__name__)
@@ -249,10 +250,13 @@ class RunResult:
         return self.state == RunStatus.COMPLETED.value
 
 
-def run_id_for(definition: str, idempotency_key: str | None) -> str:
+def run_id_for(definition: str, idempotency_key: str | None, tenant: str = DEFAULT_TENANT) -> str:
+    """A new run's id: random, or for an idempotency key always the same one, within its tenant (one
+    tenant's keys never meet another's runs; the default tenant's ids are those runs always had)."""
     if idempotency_key is None:
         return uuid.uuid4().hex
-    return uuid.uuid5(RUN_NAMESPACE, f"{definition}\x1f{idempotency_key}").hex
+    scoped = "" if tenant == DEFAULT_TENANT else f"{tenant}\x1f"
+    return uuid.uuid5(RUN_NAMESPACE, f"{scoped}{definition}\x1f{idempotency_key}").hex
 
 
 def start_envelope(
@@ -506,7 +510,7 @@ class Client:
         self._publisher = Publisher(
             first, self.signer, self.settings.names(), renew_with=lambda: untracked_channel(connection)
         )
-        self._stop_reloading = start_reloading(self.signer, self.settings)
+        self._stop_reloading = start_reloading(self.signer, self.settings, on_hangup=False)
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -590,9 +594,9 @@ class Client:
         DefinitionNotFound for a definition never published, NotStartable for a version no run may be
         created from (the message lists those that may), and IdempotencyConflict when
         ``idempotency_key`` already started a run with another context."""
-        run_id = run_id_for(definition, idempotency_key)
+        owner = self.signer.bound_tenant() or tenant or DEFAULT_TENANT  # a client key's tenant always wins
+        run_id = run_id_for(definition, idempotency_key, owner)
         plan = await self._plan_of(definition, run_id, version)
-        owner = tenant or self.signer.bound_tenant() or DEFAULT_TENANT
         envelope = checked_start(self.signer, self.settings, plan, definition, run_id, context, owner)
         claim = await self._claim(envelope, idempotency_key)
         try:
@@ -622,7 +626,7 @@ class Client:
             document["intent"] is not None or RunStatus(document["state"]) in TERMINAL_RUN_STATUSES
         ):
             raise CancelRefused(run_id, document["state"], document["intent"], document["reason"])
-        return await self._request(Kind.CANCEL_RUN, run_id, reason, requested_by)
+        return await self._request(Kind.CANCEL_RUN, run_id, reason, requested_by, tenant)
 
     async def redrive(
         self,
@@ -645,26 +649,34 @@ class Client:
         state = document["state"] if document is not None else RunStatus.PENDING.value
         if state != RunStatus.FAILED.value:
             raise RedriveRefused(run_id, state)
-        return await self._request(Kind.REDRIVE, run_id, reason, requested_by, undo_lost=undo_lost)
+        return await self._request(Kind.REDRIVE, run_id, reason, requested_by, tenant, undo_lost=undo_lost)
 
-    async def _request(self, kind: Kind, run_id: str, reason: str, requested_by: str, **extra: bool) -> str:
+    async def _request(
+        self, kind: Kind, run_id: str, reason: str, requested_by: str, tenant: str | None, **extra: bool
+    ) -> str:
         shard = await self.redis.get(index_key(self.settings.key_prefix, run_id))
         if shard is None:
             raise RunNotFound(run_id)
         shard_map = await shardmap_store.load(self.redis, self.settings.key_prefix)
         if shard_map is not None and str(shard) not in shard_map.served:
             raise ShardRetired(run_id, str(shard), kind.value)
-        # the run's tenant, as an operator acts for any (a client's key signs its own in, and its shard
-        # refuses a request for another tenant's run)
+        # the run's tenant: a caller scoped to a tenant acts only on a run it can see is that tenant's (not
+        # on one not created yet); an operator acts for any (a client's key signs its own tenant in, and
+        # the shard refuses a request for another tenant's run)
         run_key = ShardKeys(self.settings.key_prefix, str(shard)).run(run_id)
-        tenant = await self.redis.hget(run_key, "tenant")  # type: ignore[misc]
+        owner = await self.redis.hget(run_key, "tenant")  # type: ignore[misc]
+        scope = tenant or tenant_scope(self.signer, self.settings)
+        if scope is not None and (owner or DEFAULT_TENANT) != scope:
+            raise RunNotFound(run_id)
+        if scope is not None and not await self.redis.exists(run_key):
+            raise RunNotFound(run_id)
         envelope = self.signer.sign(
             Envelope(
                 kind=kind,
                 message_id=f"{kind.value}-{uuid.uuid4().hex}",  # each request is its own
                 run_id=run_id,
                 shard=str(shard),
-                tenant=str(tenant or "default"),
+                tenant=str(scope or owner or DEFAULT_TENANT),
                 issued_at_ms=int(time.time() * 1000),
                 body=bodies.request(reason, requested_by, **extra),
             )
@@ -721,6 +733,14 @@ class Client:
         return None
 
     async def wait(self, run_id: str, timeout_s: float = 60.0, poll_s: float = 0.01) -> RunResult:
+        """Wait until the run is completed or failed (finalisers included), or its start was refused; a
+        run of another tenant than this client's key's is not found (RunNotFound), however it ended."""
+        result = await self._wait(run_id, timeout_s, poll_s)
+        if tenant_scope(self.signer, self.settings) is not None:
+            await self._document(run_id)  # raises RunNotFound for another tenant's run
+        return result
+
+    async def _wait(self, run_id: str, timeout_s: float, poll_s: float) -> RunResult:
         """Wait until the run is completed or failed (finalisers included), or its start was refused.
         The run's end is announced (``run_ends.py``), so this returns as soon as it comes; the run is
         also read every ``poll_s``, growing to 1 s (0.1 s where nothing is announced: a Redis Cluster),
@@ -841,10 +861,10 @@ class SyncClient:
         version: str | None = None,
     ) -> str:
         """As :meth:`Client.start`, blocking."""
-        run_id = run_id_for(definition, idempotency_key)
-        plan = self._plan_of(definition, run_id, version)
         self._ring.check()
         owner = self.signer.bound_tenant() or DEFAULT_TENANT
+        run_id = run_id_for(definition, idempotency_key, owner)
+        plan = self._plan_of(definition, run_id, version)
         envelope = checked_start(self.signer, self.settings, plan, definition, run_id, context, owner)
         claim = self._claim(envelope, idempotency_key)
         try:
@@ -911,6 +931,13 @@ class SyncClient:
         raise RunNotFound(run_id)
 
     def wait(self, run_id: str, timeout_s: float = 60.0, poll_s: float = 0.01) -> RunResult:
+        """:meth:`Client.wait`, blocking (a run of another tenant than this client's key's is not found)."""
+        result = self._wait(run_id, timeout_s, poll_s)
+        if tenant_scope(self.signer, self.settings) is not None:
+            self.status(run_id)  # raises RunNotFound for another tenant's run
+        return result
+
+    def _wait(self, run_id: str, timeout_s: float, poll_s: float) -> RunResult:
         """:meth:`Client.wait`, blocking: subscribed to the run's end (on a connection of its own) before
         it first reads the run, and reading it again at least every ``poll_s`` (growing to 1 s; 0.1 s
         where nothing is announced)."""

@@ -53,7 +53,6 @@ from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractQueue
 from pamqp import commands as spec
 
 from orchestrator.bus import batch
-from orchestrator.bus.envelope import DEFAULT_TENANT
 from orchestrator.bus.names import DLQ_SUFFIX, Names
 from orchestrator.bus.reissue import Reissue, reissued
 from orchestrator.bus.topology import Topology
@@ -62,6 +61,7 @@ from orchestrator.keys.reload import data_key, signer_for
 from orchestrator.redaction import Redactor, letter_secrets
 from orchestrator.settings import Settings, redis_client
 from orchestrator.store.redis_store import PlanNotFound, RedisStore
+from orchestrator.wire.bodies import DEFAULT_TENANT
 
 #: Headers ``Publisher.reject`` sets on a message it parks on saga.rejected.
 REASON_HEADER = "x-saga-reason"
@@ -322,31 +322,56 @@ def describe(
 
 
 async def redacted(details: list[Detail], settings: Settings) -> list[Detail]:
-    """``details`` with the sensitive values their bodies carry marked (``orchestrator/redaction.py``), by
-    the schemas of the plan each names: what ``show`` prints. A body whose plan is gone is shown as it is."""
+    """``details`` with the sensitive values they carry marked (``orchestrator/redaction.py``), by the
+    schemas of the plan each message names: what ``show`` prints. A container's messages are shown
+    unpacked (a JSON list), each marked; its headers and refusal detail are marked too. A message whose
+    plan is gone is shown as it is."""
     client = redis_client(settings)
     store = RedisStore(client, settings.key_prefix)
     key = data_key(settings)
     try:
         shown = []
         for detail in details:
-            fields = _envelope_fields(detail.body)
-            body = fields.get("body")
-            digest = fields.get("digest") or (body.get("digest") if isinstance(body, Mapping) else None)
+            parts = _parts(detail, settings.max_message_bytes)
             secrets: list[Any] = []
-            if isinstance(digest, str) and digest:
-                try:
-                    secrets = letter_secrets(fields, await store.plan(digest))
-                except PlanNotFound:
-                    secrets = []
+            for fields in parts:
+                secrets += await _secrets_of(store, fields)
             if not secrets:
                 shown.append(detail)
                 continue
-            scrubbed = Redactor.of(secrets, key).scrub(dict(fields))
-            shown.append(dataclasses.replace(detail, body=json.dumps(scrubbed, ensure_ascii=False).encode()))
+            redactor = Redactor.of(secrets, key)
+            body = [redactor.scrub(dict(f)) for f in parts]
+            text = json.dumps(body if batch.is_container(detail.headers) else body[0], ensure_ascii=False)
+            letter = dataclasses.replace(detail.letter, detail=redactor.scrub(detail.letter.detail))
+            shown.append(
+                dataclasses.replace(
+                    detail, letter=letter, headers=redactor.scrub(detail.headers), body=text.encode()
+                )
+            )
         return shown
     finally:
         await client.aclose()
+
+
+def _parts(detail: Detail, max_bytes: int) -> list[Mapping[str, Any]]:
+    """The envelopes' fields a letter holds: a container's, each; else its own."""
+    if not batch.is_container(detail.headers):
+        return [_envelope_fields(detail.body)]
+    try:
+        return [_envelope_fields(raw) for raw in batch.unpack(detail.body, detail.headers, max_bytes)]
+    except SagaError:  # a malformed container: shown as it came, as it holds no readable envelope
+        return [{}]
+
+
+async def _secrets_of(store: RedisStore, fields: Mapping[str, Any]) -> list[Any]:
+    body = fields.get("body")
+    digest = fields.get("digest") or (body.get("digest") if isinstance(body, Mapping) else None)
+    if not isinstance(digest, str) or not digest:
+        return []
+    try:
+        return letter_secrets(fields, await store.plan(digest))
+    except PlanNotFound:
+        return []
 
 
 def replay_reissue(settings: Settings, message_id: str | None) -> Reissue | None:

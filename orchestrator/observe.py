@@ -19,12 +19,11 @@ import redis.asyncio as aioredis
 
 from orchestrator import views
 from orchestrator.bus.connect import connect_once
-from orchestrator.bus.envelope import DEFAULT_TENANT
 from orchestrator.bus.names import SERIAL_TASKS
 from orchestrator.client import RunNotFound, is_final, refused_document, status_document, visible
 from orchestrator.engine.model import StageStatus
 from orchestrator.keys.reload import data_key
-from orchestrator.redaction import Redactor, run_secrets
+from orchestrator.redaction import Redactor, run_secrets, sensitive_values
 from orchestrator.settings import Settings, redis_client
 from orchestrator.shardmap import ShardMap
 from orchestrator.store import shardmap_store
@@ -32,6 +31,7 @@ from orchestrator.store.facets import listing_facet
 from orchestrator.store.keys import ShardKeys, refused_key
 from orchestrator.store.redis_store import PlanNotFound, RedisStore
 from orchestrator.store.spec import snapshot_from_record
+from orchestrator.wire.bodies import DEFAULT_TENANT
 from workers.serial_lane import holder_of, lane_key
 
 #: How long ``wait`` and ``watch`` give a run id that is not there yet (its start may still be on its
@@ -152,15 +152,29 @@ async def status_view(
     view = views.enrich(document, record, plan, inputs=inputs)
     if probe is not None:
         await _add_waits(client, settings, view, plan, probe)
-    scrubbed: dict[str, Any] = redactor_of(record, plan, data_key(settings)).scrub(view)
+    scrubbed: dict[str, Any] = redactor_of(record, plan, data_key(settings), view).scrub(view)
     return scrubbed
 
 
-def redactor_of(record: Mapping[str, str], plan: Mapping[str, Any], key: bytes | None) -> Redactor:
-    """What hides a run's sensitive values (``orchestrator/redaction.py``) where it is shown."""
+def redactor_of(
+    record: Mapping[str, str],
+    plan: Mapping[str, Any],
+    key: bytes | None,
+    view: Mapping[str, Any] | None = None,
+) -> Redactor:
+    """What hides a run's sensitive values (``orchestrator/redaction.py``) where it is shown: its
+    context's and its results' by their schemas, and (``view``: a status with inputs) each stage's
+    input's by its contract's input schema."""
     snapshot = snapshot_from_record(record, {})
     results = {name: rec.result for name, rec in snapshot.stages.items() if rec.result is not None}
-    return Redactor.of(run_secrets(snapshot.context, results, plan), key)
+    found = run_secrets(snapshot.context, results, plan)
+    contracts, specs = plan.get("contracts") or {}, plan.get("stages") or {}
+    for name, stage in ((view or {}).get("stages") or {}).items():
+        spec = specs.get(name) or {}
+        ref = spec.get("action") or spec.get("worker")
+        if "input" in stage and ref in contracts:
+            found += sensitive_values(stage["input"], contracts[ref].get("input_schema"))
+    return Redactor.of(found, key)
 
 
 async def _add_waits(

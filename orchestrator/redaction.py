@@ -24,6 +24,21 @@ from typing import Any
 SENSITIVE = "sensitive"  # the JSON Schema keyword that marks a value sensitive
 WITHHELD = "(a sensitive value, withheld)"
 MIN_SCRUBBED_CHARS = 4  # shorter values are replaced where they are a whole value, not inside texts
+#: Fields a document shows that are never a value a run was given or made (ids, times, states, names):
+#: left as they are, so that a sensitive value that happens to equal one ("failed", "2024") neither
+#: garbles them nor, by the marker standing where it stands, tells what the value is.
+STRUCTURAL = frozenset(
+    {
+        "run_id", "message_id", "request", "id", "seq", "at", "created_at", "finished_at", "updated_at",
+        "created", "updated", "finished", "state", "status", "intent", "kind", "stage", "attempt", "item",
+        "fence", "digest", "shard", "definition", "version", "tenant", "queue", "origin", "type", "order",
+        "branch", "next", "contract", "reason_code", "amqp_message_id", "death_count", "delivery_count",
+        "key_id", "issued_at_ms", "deadline_ms", "signature", "versions", "engine", "plan",
+    }
+)  # fmt: skip
+#: Fields that hold what a run was given or made (a context, an input, a result, a message's body): every
+#: field below one is scrubbed, whatever its name.
+VALUES = frozenset({"context", "input", "result", "output", "body", "error", "detail", "headers", "items"})
 _MAX_DEPTH = 64
 
 
@@ -101,15 +116,14 @@ def sensitive_values(value: Any, schema: Any, root: Any = None, depth: int = 0) 
 
 def path_is_sensitive(schema: Any, path: Iterable[Any]) -> bool:
     """Whether the value at ``path`` (keys and indices, as a validation error's ``absolute_path``) of a
-    document ``schema`` describes is sensitive, or inside one that is."""
+    document ``schema`` describes is sensitive, is inside one that is, or holds one (an error about an
+    object or a list quotes all of it)."""
     root, node = schema, _resolved(schema, schema)
-    for part in [*path, None]:
+    for part in path:
         if not isinstance(node, Mapping):
             return False
         if is_sensitive(node) or any(is_sensitive(_resolved(s, root)) for s in _alternatives(node)):
             return True
-        if part is None:
-            return False
         if isinstance(part, int):
             prefix = node.get("prefixItems")
             node = prefix[part] if isinstance(prefix, list) and part < len(prefix) else node.get("items")
@@ -119,7 +133,19 @@ def path_is_sensitive(schema: Any, path: Iterable[Any]) -> bool:
             found = properties.get(part) if isinstance(properties, Mapping) else None
             node = found if found is not None else extra
         node = _resolved(node, root)
-    return False
+    return _marks_resolved(node, root)
+
+
+def _marks_resolved(schema: Any, root: Any, depth: int = 0) -> bool:
+    """Whether ``schema`` or any schema inside it (``$ref``s followed) marks a value sensitive."""
+    schema = _resolved(schema, root)
+    if depth > _MAX_DEPTH or not isinstance(schema, Mapping):
+        return False
+    if is_sensitive(schema):
+        return True
+    return any(
+        _marks_resolved(sub, root, depth + 1) for sub in _subschemas(schema, root) if sub is not schema
+    )
 
 
 def _alternatives(schema: Mapping[str, Any]) -> list[Any]:
@@ -167,13 +193,20 @@ class Redactor:
         if not self.secrets:
             return document
         inside = sorted((s for s in self.secrets if len(s) >= MIN_SCRUBBED_CHARS), key=len, reverse=True)
-        return self._scrub(document, inside)
+        return self._scrub(document, inside, structural=True)
 
-    def _scrub(self, node: Any, inside: list[str]) -> Any:
+    def _scrub(self, node: Any, inside: list[str], *, structural: bool) -> Any:
+        """``structural``: ``node`` is a document's own fields (above any value a run was given or made),
+        whose ``STRUCTURAL`` ones are left as they are; below a ``VALUES`` field, nothing is."""
         if isinstance(node, Mapping):
-            return {key: self._scrub(value, inside) for key, value in node.items()}
+            return {
+                key: value
+                if structural and key in STRUCTURAL
+                else self._scrub(value, inside, structural=structural and key not in VALUES)
+                for key, value in node.items()
+            }
         if isinstance(node, (list, tuple)):
-            return [self._scrub(value, inside) for value in node]
+            return [self._scrub(value, inside, structural=structural) for value in node]
         if node is None or isinstance(node, bool):
             return node
         text = _text(node)

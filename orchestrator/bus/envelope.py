@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from orchestrator.errors import SagaError
 from orchestrator.jsontext import canonical_bytes
 from orchestrator.keys.ring import NoSigningKey, Ring, RingKey, Scope, out_of_scope, unscoped_ring
+from orchestrator.wire.bodies import DEFAULT_TENANT
 from orchestrator.wire.kinds import Kind
 
 # Identity fields travel as AMQP properties and routing keys (short strings of at most 255 bytes) and
@@ -31,7 +32,7 @@ RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
 MESSAGE_ID_PATTERN = r"^[\x21-\x7e]{1,200}$"  # printable ASCII, no spaces
 SHARD_PATTERN = r"^([a-z][a-z0-9_-]{0,31}\.[0-9]{1,5})?$"  # <class>.<number>, or empty (a start)
 MAX_COUNT = 2**31 - 1  # attempts and map items
-DEFAULT_TENANT = "default"  # every run's, unless a client key of another tenant started it
+TENANT_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._@-]{0,63}$"  # never empty: it keys a tenant's counts
 
 
 class Envelope(BaseModel):
@@ -48,7 +49,7 @@ class Envelope(BaseModel):
     digest: str = Field("", max_length=128)
     contract: str | None = Field(None, max_length=200)  # name@version: the contract (and result schema)
     deadline_ms: int | None = Field(None, ge=0)
-    tenant: str = Field(DEFAULT_TENANT, max_length=64)
+    tenant: str = Field(DEFAULT_TENANT, pattern=TENANT_PATTERN)
     issued_at_ms: int = Field(0, ge=0)
     key_id: str = Field("", max_length=64)
     body: dict[str, Any] = Field(default_factory=dict)
@@ -111,7 +112,7 @@ class Signer:
         try:
             return self.ring.signing_key(Kind.START).tenant
         except NoSigningKey:
-            return None
+            return self.ring.client_tenant()  # a client key not active yet still binds it
 
     def sign(self, envelope: Envelope, scopes: frozenset[Scope] | None = None) -> Envelope:
         """``envelope`` signed by the key for its kind and contract (of one of ``scopes``, if given)."""

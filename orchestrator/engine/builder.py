@@ -37,6 +37,7 @@ from orchestrator.engine.model import (
 from orchestrator.engine.plan import Bag, Plan, Work
 from orchestrator.redaction import WITHHELD, path_is_sensitive
 from orchestrator.wire import bodies, ids, sizes
+from orchestrator.wire.bodies import DEFAULT_TENANT
 from orchestrator.wire.kinds import Kind
 from orchestrator.wire.outgoing import Outgoing
 
@@ -267,7 +268,7 @@ class Builder:
 
     def release(self, barrier: str, fence: str) -> Outgoing:
         """The continuation a join or map barrier sends itself, once, when its last member arrives."""
-        return _release(self.run.run_id, self.run.shard, barrier, fence)
+        return _release(self.run.run_id, self.run.shard, barrier, fence, self.run.tenant)
 
     def window_of(self, rec: StageRecord) -> int:
         """How many items a chunked bag sends at once: its own window, kept when it was entered."""
@@ -280,7 +281,7 @@ class Builder:
 
     def refill(self, bag: str, fence: str, sent: int) -> Outgoing:
         """The continuation a chunked bag sends itself for its next chunk, the items from ``sent`` on."""
-        return _refill(self.run.run_id, self.run.shard, bag, fence, sent)
+        return _refill(self.run.run_id, self.run.shard, bag, fence, sent, self.run.tenant)
 
     def request_cancel(self, name: str, fence: str, cause: str = "") -> None:
         """Ask the workers to stop an attempt (broadcast: any worker running it stops). The attempt is
@@ -335,24 +336,30 @@ def context_problems(plan: Plan, context: Mapping[str, Any]) -> list[str]:
 
 
 @functools.lru_cache(maxsize=256)
-def _release(run_id: str, shard: str, barrier: str, fence: str) -> Outgoing:
+def _release(run_id: str, shard: str, barrier: str, fence: str, tenant: str) -> Outgoing:
     """A barrier's release message. Every arrival at a bag names it (the store appends it after the
     last), so the same one is built once, not once per item (a hash per message id)."""
     return Outgoing(
         ids.release_id(run_id, barrier, fence),
         Kind.RELEASE,
         ("shard", shard),
-        bodies.attempt(run_id, barrier, fence),
+        _of_tenant(bodies.attempt(run_id, barrier, fence), tenant),
     )
 
 
 @functools.lru_cache(maxsize=256)
-def _refill(run_id: str, shard: str, bag: str, fence: str, sent: int) -> Outgoing:
+def _refill(run_id: str, shard: str, bag: str, fence: str, sent: int, tenant: str) -> Outgoing:
     """A bag's refill message. Every arrival while a refill is due names it (the store sends it once, at
     the arrival that makes it due), so the same one is built once, not once per item."""
     return Outgoing(
         ids.refill_id(run_id, bag, fence, sent),
         Kind.REFILL,
         ("shard", shard),
-        bodies.refill(run_id, bag, fence, sent),
+        _of_tenant(bodies.refill(run_id, bag, fence, sent), tenant),
     )
+
+
+def _of_tenant(body: dict[str, Any], tenant: str) -> dict[str, Any]:
+    """A continuation's body names its run's tenant (the envelope's, which its shard checks against the
+    run's); a run of the default tenant's leaves it out, as messages did before tenants."""
+    return body if tenant == DEFAULT_TENANT else {**body, "tenant": tenant}

@@ -15,12 +15,13 @@ import logging
 import os
 import signal
 import time
+import weakref
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from orchestrator.bus.envelope import Signer
-from orchestrator.keys.ring import Ring
+from orchestrator.keys.ring import KeyState, Ring
 from orchestrator.keys.ringfile import KeyRingError, load_ring, read_ring_file, secret_path
 from orchestrator.settings import Settings
 
@@ -71,9 +72,16 @@ def signer_for(settings: Settings) -> Signer:
     source = source_of(settings)
     if source is None:
         return Signer.from_settings(settings.signing_keys)
+    seen = source.fingerprint()  # before reading: a change from here on is reloaded
     ring = source.load()
     log.info("key ring %s: %s", source.path, describe(ring))
-    return Signer(ring)
+    signer = Signer(ring)
+    _LOADED[signer] = seen
+    return signer
+
+
+# What each signer's ring was loaded from, so that a watcher started later reloads a change made between.
+_LOADED: weakref.WeakKeyDictionary[Signer, Fingerprint] = weakref.WeakKeyDictionary()
 
 
 def data_key(settings: Settings) -> bytes | None:
@@ -99,28 +107,53 @@ def describe(ring: Ring) -> str:
 
 
 def reload(signer: Signer, source: RingSource) -> bool:
-    """Replace ``signer``'s ring with the file's; False (logged, the old ring kept) if it cannot be read."""
+    """Replace ``signer``'s ring with the file's; False (logged, the old ring kept) if it cannot be read,
+    or if a key this process held and that is still in the ring (not retired) is no longer held: its
+    secret file gone or unreadable mid-deploy would otherwise refuse every message it signed."""
     try:
         ring = source.load()
     except KeyRingError as exc:
         log.error("key ring not reloaded, the previous one stays in use: %s", exc)
+        return False
+    lost = lost_keys(signer.ring, ring)
+    if lost:
+        log.error(
+            "key ring not reloaded, the previous one stays in use: it no longer holds the secret of %s "
+            "(still in the ring, not retired): restore the secret, or retire the key first",
+            ", ".join(lost),
+        )
         return False
     signer.ring = ring
     log.info("key ring %s reloaded: %s", source.path, describe(ring))
     return True
 
 
-async def keep_reloaded(signer: Signer, source: RingSource, poll_s: float = POLL_S) -> None:
-    """Reload ``signer``'s ring whenever its files change or the process gets SIGHUP; runs until
-    cancelled."""
+def lost_keys(before: Ring, after: Ring) -> list[str]:
+    """Keys ``before`` held that ``after`` still lists, not retired, but no longer holds."""
+    return [
+        key.key_id
+        for key in before.held()
+        if (now := after.get(key.key_id)) is not None
+        and now.secret is None
+        and now.state is not KeyState.RETIRED
+    ]
+
+
+async def keep_reloaded(
+    signer: Signer, source: RingSource, poll_s: float = POLL_S, *, on_hangup: bool = True
+) -> None:
+    """Reload ``signer``'s ring whenever its files change or (``on_hangup``: saga's own processes, never
+    a library's host) the process gets SIGHUP; runs until cancelled."""
     hangup = asyncio.Event()
     loop = asyncio.get_running_loop()
-    try:
-        loop.add_signal_handler(signal.SIGHUP, hangup.set)
-        handles_hangup = True
-    except (RuntimeError, ValueError):  # not the main thread: files are still watched
-        handles_hangup = False
-    seen = source.fingerprint()
+    handles_hangup = False
+    if on_hangup:
+        try:
+            loop.add_signal_handler(signal.SIGHUP, hangup.set)
+            handles_hangup = True
+        except (RuntimeError, ValueError):  # not the main thread: files are still watched
+            pass
+    seen = _LOADED.get(signer) or source.fingerprint()
     try:
         while True:
             with contextlib.suppress(TimeoutError):
@@ -135,12 +168,15 @@ async def keep_reloaded(signer: Signer, source: RingSource, poll_s: float = POLL
             loop.remove_signal_handler(signal.SIGHUP)
 
 
-def start_reloading(signer: Signer, settings: Settings) -> Callable[[], Awaitable[None]]:
-    """Keep ``signer`` reloaded from now on (nothing to do without a ring file); returns what stops it."""
+def start_reloading(
+    signer: Signer, settings: Settings, *, on_hangup: bool = True
+) -> Callable[[], Awaitable[None]]:
+    """Keep ``signer`` reloaded from now on (nothing to do without a ring file); returns what stops it.
+    ``on_hangup``: also on SIGHUP (saga's own processes; a client library leaves its host's signals be)."""
     source = source_of(settings)
     if source is None:
         return _nothing
-    task = asyncio.create_task(keep_reloaded(signer, source), name="key-ring-reload")
+    task = asyncio.create_task(keep_reloaded(signer, source, on_hangup=on_hangup), name="key-ring-reload")
 
     async def stop() -> None:
         task.cancel()

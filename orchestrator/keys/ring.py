@@ -92,11 +92,12 @@ class RingKey:
         return None
 
     def serves(self, contract: str | None) -> bool:
-        """Whether a worker key may sign about a task of ``contract`` (``name@version``)."""
-        if ALL in self.contracts:
-            return True
+        """Whether a worker key may sign about a task of ``contract`` (``name@version``): a report must name
+        its task's contract, even under a key for every contract (its run checks it is its task's)."""
         if not contract:
             return False
+        if ALL in self.contracts:
+            return True
         return contract in self.contracts or contract.partition("@")[0] in self.contracts
 
     def acts_for(self, tenant: str) -> bool:
@@ -187,6 +188,13 @@ class Ring:
             why = f"key {key_id!r} was retired and its grace period of {self.retire_grace_ms} ms has passed"
             return "retired-key", why
         return key
+
+    def client_tenant(self) -> str | None:
+        """The tenant of the client keys this process holds, active or not (None: it holds none)."""
+        for key in self.keys:
+            if key.scope is Scope.CLIENT and key.secret is not None and key.state is not KeyState.RETIRED:
+                return key.tenant
+        return None
 
     def data_secret(self) -> bytes | None:
         """The secret of the active ``data`` key this process holds (None: it holds none)."""

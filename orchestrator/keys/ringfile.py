@@ -12,10 +12,12 @@ a secret file) changes, or on SIGHUP (``keys/reload.py``).
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import secrets
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -97,10 +99,18 @@ class RingFile(BaseModel):
     @model_validator(mode="after")
     def _unique_ids(self) -> RingFile:
         seen: set[str] = set()
+        sources: dict[str, str] = {}
         for entry in self.keys:
             if entry.id in seen:
                 raise ValueError(f"key id {entry.id!r} appears twice: each key needs an id of its own")
             seen.add(entry.id)
+            source = f"file {entry.secret_file}" if entry.secret_file else f"variable {entry.secret_env}"
+            if source in sources:
+                raise ValueError(
+                    f"keys {sources[source]!r} and {entry.id!r} both take their secret from {source}: "
+                    "each key needs a secret of its own (one shared would give either holder both scopes)"
+                )
+            sources[source] = entry.id
         return self
 
     def entry(self, key_id: str) -> KeyEntry:
@@ -134,16 +144,31 @@ def write_ring_file(path: Path, ring: RingFile) -> None:
     text = "# saga key ring: no secrets here (each key names its secret's file or variable)\n"
     text += yaml.safe_dump(ring.model_dump(mode="json", exclude_none=True), sort_keys=False)
     path.parent.mkdir(parents=True, exist_ok=True)
+    mode = path.stat().st_mode & 0o777 if path.exists() else 0o644  # it holds no secret: readable by all
     fd, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         with os.fdopen(fd, "w") as out:
             out.write(text)
             out.flush()
             os.fsync(out.fileno())
+        os.chmod(temporary, mode)
         os.replace(temporary, path)
     except BaseException:
         Path(temporary).unlink(missing_ok=True)
         raise
+
+
+@contextlib.contextmanager
+def editing(path: Path) -> Iterator[None]:
+    """Hold the ring file's edit lock (a file beside it): two ``saga keys`` run at once would otherwise
+    both read it, and the second write would drop the first's change and its audit entry."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.parent / f".{path.name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def secret_path(ring_path: Path, entry: KeyEntry) -> Path | None:
@@ -160,8 +185,8 @@ def read_secret(ring_path: Path, entry: KeyEntry, environ: Mapping[str, str]) ->
     if where is not None:
         try:
             text = where.read_text().strip()
-        except FileNotFoundError:
-            return None
+        except (FileNotFoundError, PermissionError):
+            return None  # not this process's to hold
         except OSError as exc:
             raise KeyRingError(f"cannot read the secret of key {entry.id!r} from {where}: {exc}") from exc
         source = f"file {where}"
@@ -197,6 +222,12 @@ def ring_of(path: Path, contents: RingFile, retire_grace_ms: int, environ: Mappi
 
 
 def load_ring(path: Path, retire_grace_ms: int, environ: Mapping[str, str] | None = None) -> Ring:
+    """The ring a process signs and verifies with. A file that is not there is an error (a typo in
+    SAGA_KEY_RING_FILE, a file replaced by deleting it first), never an empty ring that refuses all."""
+    if not path.exists():
+        raise KeyRingError(
+            f"the key ring file {path} does not exist: check SAGA_KEY_RING_FILE ('saga keys add' creates it)"
+        )
     return ring_of(path, read_ring_file(path), retire_grace_ms, os.environ if environ is None else environ)
 
 
@@ -224,7 +255,11 @@ def _slot(entry: KeyEntry) -> tuple[Any, ...]:
 
 
 def _changed(ring: RingFile, keys: list[KeyEntry], change: Change) -> RingFile:
-    return RingFile(keys=keys, changes=[*ring.changes, change])
+    try:
+        return RingFile(keys=keys, changes=[*ring.changes, change])
+    except ValidationError as exc:  # the change would make the ring one a process refuses to load
+        message = str(exc.errors(include_url=False)[0]["msg"]).removeprefix("Value error, ")
+        raise KeyRingError(f"{change.verb} {change.key} refused: {message}") from exc
 
 
 def added(ring: RingFile, entry: KeyEntry, at_ms: int, actor: str) -> RingFile:

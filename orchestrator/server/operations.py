@@ -14,6 +14,7 @@ from pydantic import BaseModel, Field
 
 from orchestrator import deadletters, shard_ops
 from orchestrator.auth.roles import Action, Identity
+from orchestrator.auth.tokens import TokenNotFound
 from orchestrator.bus.connect import connect_once
 from orchestrator.bus.topology import topology_for
 from orchestrator.server.auth import Reader, require, tenant_scope
@@ -219,24 +220,41 @@ async def retire_shard(shard: str, request: Request, _: ShardChanger) -> dict[st
 class NewToken(BaseModel):
     name: str
     role: str
-    tenant: str = "default"
+    tenant: str | None = Field(None, description="default: the caller's own tenant")
 
 
 @router.post("/tokens", tags=["tokens"], status_code=201)
 async def create_token(body: NewToken, request: Request, who: TokenAdmin) -> dict[str, Any]:
-    """A new token: its secret is in this answer only (only its hash is kept)."""
-    secret, record = await request.app.state.tokens.create(body.name, body.role, body.tenant, actor=who.name)
+    """A new token: its secret is in this answer only (only its hash is kept). An admin of a tenant
+    other than the platform's creates tokens of its own tenant only."""
+    tenant = body.tenant or who.tenant
+    scope = tenant_scope(request, who)
+    if scope is not None and tenant != scope:
+        raise ApiError(
+            403,
+            "forbidden",
+            f"token {who.name} is of tenant {who.tenant}: it may create tokens of that tenant only; a token "
+            "of the platform's tenant (SAGA_PLATFORM_TENANT) creates other tenants' tokens",
+            {"token": who.name, "tenant": who.tenant},
+        )
+    secret, record = await request.app.state.tokens.create(body.name, body.role, tenant, actor=who.name)
     return {"token": secret, **record.to_json()}
 
 
 @router.get("/tokens", tags=["tokens"])
-async def list_tokens(request: Request, _: TokenAdmin) -> list[dict[str, Any]]:
-    """Every token (never its secret)."""
-    return [record.to_json() for record in await request.app.state.tokens.list()]
+async def list_tokens(request: Request, who: TokenAdmin) -> list[dict[str, Any]]:
+    """Every token of the caller's tenant (of every tenant, for the platform's), never its secret."""
+    scope = tenant_scope(request, who)
+    records = await request.app.state.tokens.list()
+    return [r.to_json() for r in records if scope is None or r.tenant == scope]
 
 
 @router.post("/tokens/{name_or_id}/revoke", tags=["tokens"])
 async def revoke_token(name_or_id: str, request: Request, who: TokenAdmin) -> dict[str, Any]:
-    """Revoke a token: it is refused from the next request on."""
+    """Revoke a token of the caller's tenant (any, for the platform's): it is refused from the next
+    request on."""
+    scope = tenant_scope(request, who)
+    if scope is not None and (await request.app.state.tokens.get(name_or_id)).tenant != scope:
+        raise TokenNotFound(name_or_id)  # another tenant's: not this caller's to know of
     record, changed = await request.app.state.tokens.revoke(name_or_id, actor=who.name)
     return {**record.to_json(), "changed": changed}

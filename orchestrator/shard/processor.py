@@ -263,10 +263,9 @@ class Processor:
             return await self._not_here(shard, item)
         if snapshot is not None and item.tenant is not None and item.tenant != snapshot.tenant:
             # a key signs for its tenant only: naming another tenant's run is refused before any write
-            why = (
-                f"message {item.event.message_id} is for tenant {item.tenant!r}, but run {item.run_id} "
-                f"belongs to tenant {snapshot.tenant!r}"
-            )
+            # (the detail names the sender's tenant only: the run's is not the sender's to learn)
+            message, tenant = item.event.message_id, item.tenant
+            why = f"message {message} names run {item.run_id}, which is not of tenant {tenant!r}"
             return Outcome(rejected=("wrong-tenant", why))
         # a run whose plan is missing (Redis lost it) raises: its message goes back to the queue
         plan = item.plan or await self.store.typed_plan(digest)

@@ -15,7 +15,6 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from orchestrator.bus.envelope import DEFAULT_TENANT
 from orchestrator.engine.model import Decision, RunSnapshot
 from orchestrator.store.keys import tenant_field
 from orchestrator.store.replies import APPLIED, CONFLICT, DUPLICATE, NO_RUN, TIMER_GONE
@@ -27,6 +26,7 @@ from orchestrator.store.spec import (
     poison_spec,
     snapshot_from_record,
 )
+from orchestrator.wire.bodies import DEFAULT_TENANT
 
 
 @dataclass

@@ -21,6 +21,8 @@ from orchestrator.wire import sizes
 _BODY = ConfigDict(extra="ignore", frozen=True)
 M = TypeVar("M", bound=BaseModel)
 
+DEFAULT_TENANT = "default"  # every run's, unless a client key (or a token) of another tenant started it
+
 
 # ---- start: service -> shard ----------------------------------------------------------------------------
 

@@ -26,11 +26,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import redis
-
-from orchestrator.bus.envelope import DEFAULT_TENANT
 from orchestrator.store.facets import STATUSES, static_facets, status_facets
 from orchestrator.store.keys import ShardKeys, index_key, plan_key, tenant_field
 from orchestrator.store.spec import bag_members
+from orchestrator.wire.bodies import DEFAULT_TENANT
 from workers.demo.effects import demo_key
 
 TERMINAL = ("completed", "failed")

@@ -25,7 +25,7 @@ from orchestrator.wire import bodies
 from orchestrator.wire.kinds import Kind
 from tests.faults.invariants import assert_no_violations, check_runs
 from tests.integration.own_redis import free_port
-from tests.integration.refusals import NAMES, parked_one
+from tests.integration.refusals import NAMES, parked, parked_one
 from tests.integration.served import answers
 from tests.integration.stack import Stack, now_ms, poll
 
@@ -61,7 +61,11 @@ def tenanted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, 
     for tenant in TENANTS:
         own = [e for e in RING if e.id == f"client-{tenant}"]
         write_ring_file(folder / f"{tenant}.yaml", RingFile(keys=own))
-    env = {"SAGA_KEY_RING_FILE": str(folder / "ring.yaml"), "SAGA_TENANT_LIMITS": json.dumps(LIMITS)}
+    env = {
+        "SAGA_KEY_RING_FILE": str(folder / "ring.yaml"),
+        "SAGA_TENANT_LIMITS": json.dumps(LIMITS),
+        "SAGA_BAG_WINDOW": "8",  # a bag of more items takes refills
+    }
     stack = Stack("tenants", env=env)
     stack.setup()
     try:
@@ -161,7 +165,8 @@ def test_tenants_cannot_see_or_touch_each_others_runs(tenanted: tuple[Stack, Pat
     assert cancel.tenant == "acme"  # a client key signs its own tenant in
     stack.publish_raw(NAMES.runs_exchange, record["shard"], encode(cancel))
     letter = poll(lambda: parked_one(stack, cancel.message_id), 30, what="the forged cancel parked")
-    assert letter["reason"] == "wrong-tenant" and "belongs to tenant 'globex'" in letter["detail"]
+    assert letter["reason"] == "wrong-tenant" and "which is not of tenant 'acme'" in letter["detail"]
+    assert "globex" not in letter["detail"]  # the run's tenant is not the sender's to learn
     # ... and naming it as globex's, the key is out of its scope
     lie = cancel.model_copy(
         update={"tenant": "globex", "message_id": f"cancel.run-lie-{theirs}", "signature": ""}
@@ -227,3 +232,19 @@ def _settled(client: SyncClient, run_id: str) -> dict[str, Any] | None:
     except RunNotFound:
         return None
     return document if document["state"] in ("refused", "running", "completed", "failed") else None
+
+
+def test_a_tenants_map_whose_refills_and_release_are_messages_completes(
+    tenanted: tuple[Stack, Path, str],
+) -> None:
+    """A bag's refills and its barrier's release are the shard's own messages about the run: they name its
+    tenant, so its shard takes them (they would otherwise be refused as another tenant's). The stack sends
+    a bag 8 items at a time, so 40 items take refills."""
+    stack, folder, _ = tenanted
+    with client_of(stack, folder, "acme") as acme:
+        batch = acme.start("thumbnail-batch", {"modelIds": [f"acme-batch-{i}" for i in range(40)]})
+        assert acme.wait(batch, timeout_s=90).state == "completed"
+    history = [e["kind"] for e in stack.history(batch)]
+    assert stack.record(batch)["tenant"] == "acme" and "stage.completed" in history
+    assert not [m for m in parked(stack) if m["reason"] == "wrong-tenant" and m["run_id"] == batch]
+    assert_no_violations(check_runs(stack.redis, stack.prefix, [batch]), "the shared invariants")

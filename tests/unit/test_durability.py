@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,6 +14,7 @@ from orchestrator.durability import (
     assess,
     default_redis_user,
     development_key_ids,
+    gather,
     redis_location,
 )
 from orchestrator.settings import DEVELOPMENT_SIGNING_KEY, Settings
@@ -128,14 +130,14 @@ def test_the_default_redis_user_is_the_one_a_url_names_or_none(url: str, default
     assert default_redis_user(url) is default
 
 
-def test_gathered_facts_name_guest_and_unscoped_keys_without_asking_anything() -> None:
-    from orchestrator.durability import gather
-
+def test_gathered_facts_name_guest_and_unscoped_keys_without_asking_anything(tmp_path: Path) -> None:
     found = gather(
         Settings(amqp_url="amqp://127.0.0.1:5672/", redis_url="redis://u:p@127.0.0.1:1/0"), Role.WORKER
     )
     assert found.amqp_guest and found.unscoped_keys and not found.default_redis_user
+    ring = tmp_path / "ring.yaml"
+    ring.write_text("keys: []\n")
     mine = gather(
-        Settings(amqp_url="amqp://saga-worker:x@127.0.0.1:5672/v", key_ring_file="/nowhere.yaml"), Role.WORKER
+        Settings(amqp_url="amqp://saga-worker:x@127.0.0.1:5672/v", key_ring_file=str(ring)), Role.WORKER
     )
     assert not mine.amqp_guest and not mine.unscoped_keys and mine.default_redis_user

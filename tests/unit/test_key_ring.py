@@ -64,6 +64,7 @@ RING = Ring(
         key("operator", Scope.OPERATOR),
         key("server", Scope.SERVER, tenants=frozenset({"acme", "globex"})),
         key("old", Scope.OPERATOR, KeyState.RETIRED, retired_at_ms=1_000),
+        key("data", Scope.DATA),
     ),
     GRACE,
 )
@@ -185,7 +186,7 @@ def test_a_key_whose_secret_this_process_lacks_neither_signs_nor_verifies() -> N
 
 
 def entry(key_id: str, scope: Scope, **more: object) -> KeyEntry:
-    return KeyEntry.model_validate({"id": key_id, "scope": scope, "secret_file": f"{key_id}.key", **more})
+    return KeyEntry.model_validate({"id": key_id, "scope": scope, "secret_file": f"{key_id}.key"} | more)
 
 
 @pytest.mark.parametrize(
@@ -335,3 +336,39 @@ def test_an_operators_key_signs_other_kinds_only_to_issue_a_dead_letter_again() 
     signer = Signer(RING)
     assert signer.key_for(Kind.RESULT, "images.resize@2", REPLAYERS).key_id == "operator"
     assert signer.key_for(Kind.START, None, REPLAYERS).key_id == "operator"
+
+
+def test_a_ring_file_that_is_not_there_is_an_error_and_a_reload_keeps_the_ring_in_use(tmp_path: Path) -> None:
+    path = _ring_at(tmp_path, "d1")
+    source = RingSource(path, GRACE, {})
+    signer = Signer(source.load())
+    path.unlink()
+    with pytest.raises(KeyRingError, match="does not exist: check SAGA_KEY_RING_FILE"):
+        load_ring(path, GRACE, {})
+    assert not reload(signer, source) and signer.key_for(Kind.TASK).key_id == "d1"
+
+
+def test_a_reload_that_would_lose_a_held_key_keeps_the_ring_in_use(tmp_path: Path) -> None:
+    path = _ring_at(tmp_path, "d1")
+    source = RingSource(path, GRACE, {})
+    signer = Signer(source.load())
+    (tmp_path / "d1.key").unlink()  # its secret gone mid-deploy, the key still in the ring
+    assert not reload(signer, source) and signer.key_for(Kind.TASK).key_id == "d1"
+    write_ring_file(path, retired(read_ring_file(path), "d1", 5, "t", force=True))
+    assert reload(signer, source)  # retired first: letting its secret go is expected
+
+
+def test_ring_file_edits_keep_its_mode_and_refuse_a_shared_secret(tmp_path: Path) -> None:
+    path = _ring_at(tmp_path, "d1")
+    assert oct(path.stat().st_mode & 0o777) == "0o644"  # no secret in it: readable by every process
+    path.chmod(0o640)
+    write_ring_file(path, activated(read_ring_file(path), "d2", 2, "t"))
+    assert oct(path.stat().st_mode & 0o777) == "0o640"
+    with pytest.raises(KeyRingError, match=r"both take their secret from file d1\.key"):
+        added(read_ring_file(path), entry("d3", Scope.DISPATCH, secret_file="d1.key"), 3, "t")
+
+
+def test_a_report_must_name_its_contract_even_under_a_key_for_every_contract() -> None:
+    everything = key("pool-all", Scope.WORKER, contracts=frozenset({"*"}))
+    assert out_of_scope(everything, Kind.RESULT, "any.thing@9", "acme") is None
+    assert out_of_scope(everything, Kind.RESULT, None, "acme") is not None

@@ -125,3 +125,42 @@ def test_a_message_carries_the_sensitive_values_its_body_holds_by_its_kind() -> 
         9876
     ]
     assert letter_secrets({"kind": "heartbeat", "body": {}}, plan) == []
+
+
+def test_ids_times_and_states_are_never_rewritten_but_values_below_them_always_are() -> None:
+    redactor = Redactor.of(["failed", "2026", "acme-secret"], key=b"k" * 32)
+    document = {
+        "run_id": "run-2026-x",
+        "state": "failed",
+        "created_at": "2026-12-05T06:00:00Z",
+        "stages": {"charge": {"state": "failed", "result": {"state": "failed", "id": "acme-secret"}}},
+        "reason": "charge: acme-secret was refused",
+    }
+    shown = redactor.scrub(document)
+    assert shown["run_id"] == "run-2026-x" and shown["state"] == "failed"
+    assert shown["created_at"] == "2026-12-05T06:00:00Z" and shown["stages"]["charge"]["state"] == "failed"
+    result = shown["stages"]["charge"]["result"]
+    assert result["state"].startswith("[sensitive:") and result["id"].startswith("[sensitive:")
+    assert "acme-secret" not in shown["reason"]
+
+
+def test_an_error_about_a_whole_object_holding_a_sensitive_value_is_not_quoted() -> None:
+    schema = {
+        "type": "object",
+        "properties": {
+            "payment": {
+                "oneOf": [
+                    {
+                        "type": "object",
+                        "properties": {"card": {"type": "string", "sensitive": True}},
+                        "required": ["card"],
+                        "additionalProperties": False,
+                    }
+                ]
+            }
+        },
+    }
+    assert path_is_sensitive(schema, ["payment"])  # it holds one: its errors quote all of it
+    assert not path_is_sensitive({"type": "object", "properties": {"n": {"type": "integer"}}}, ["n"])
+    [why] = context_problems(_plan({}, schema), {"payment": {"card": "4111999988887777", "extra": 1}})
+    assert "4111999988887777" not in why
