@@ -148,13 +148,16 @@ class Purge(BaseModel):
 
 
 def _platform_only(who: Identity, what: str) -> ApiError:
-    return ApiError(
-        403,
-        "forbidden",
+    return _forbidden(
+        who,
         f"{what} acts on every tenant's letters: token {who.name} is of tenant {who.tenant}, and only "
         "tokens of the platform's tenant (SAGA_PLATFORM_TENANT) may; replay your tenant's letters by id",
-        {"token": who.name, "tenant": who.tenant},
     )
+
+
+def _forbidden(who: Identity, message: str) -> ApiError:
+    """403 for what only a token of the platform's tenant may do, naming the caller's token and tenant."""
+    return ApiError(403, "forbidden", message, {"token": who.name, "tenant": who.tenant})
 
 
 @router.post("/dead-letters/purge", tags=["dead letters"])
@@ -230,12 +233,10 @@ async def create_token(body: NewToken, request: Request, who: TokenAdmin) -> dic
     tenant = body.tenant or who.tenant
     scope = tenant_scope(request, who)
     if scope is not None and tenant != scope:
-        raise ApiError(
-            403,
-            "forbidden",
+        raise _forbidden(
+            who,
             f"token {who.name} is of tenant {who.tenant}: it may create tokens of that tenant only; a token "
             "of the platform's tenant (SAGA_PLATFORM_TENANT) creates other tenants' tokens",
-            {"token": who.name, "tenant": who.tenant},
         )
     secret, record = await request.app.state.tokens.create(body.name, body.role, tenant, actor=who.name)
     return {"token": secret, **record.to_json()}

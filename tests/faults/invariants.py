@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import redis
+
 from orchestrator.store.facets import STATUSES, static_facets, status_facets
 from orchestrator.store.keys import ShardKeys, index_key, plan_key, tenant_field
 from orchestrator.store.spec import bag_members

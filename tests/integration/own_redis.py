@@ -9,6 +9,7 @@ import subprocess
 from pathlib import Path
 
 import redis
+
 from tests.integration.stack import poll
 
 

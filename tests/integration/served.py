@@ -42,12 +42,18 @@ def serving(
     """A running stack named ``name`` with ``saga server`` on a free port, ready, and a token per role
     (named by ``token_name``); all torn down after."""
     with running(name) as stack:
-        port = free_port()
-        stack._spawn("server", ["server", "--port", str(port)], None)
-        served = Served(stack, f"http://127.0.0.1:{port}")
+        served = Served(stack, serve(stack))
         asyncio.run(_create_tokens(served, roles, token_name))
-        poll(lambda: answers(served.base + "/readyz"), 30, what="the server ready")
         yield served
+
+
+def serve(stack: Stack) -> str:
+    """Start ``saga server`` beside ``stack`` on a free port; its base URL, once it is ready."""
+    port = free_port()
+    stack._spawn("server", ["server", "--port", str(port)], None)
+    base = f"http://127.0.0.1:{port}"
+    poll(lambda: answers(base + "/readyz"), 30, what="the server ready")
+    return base
 
 
 async def _create_tokens(served: Served, roles: Iterable[Role], token_name: str) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -19,12 +20,13 @@ from orchestrator.bus.batch import BATCH_HEADER, CHECKSUM_HEADER
 from orchestrator.bus.envelope import Envelope, Signer, canonical, encode
 from orchestrator.client import SyncClient, start_envelope
 from orchestrator.keys.ring import KeyState, Scope
-from orchestrator.keys.ringfile import KeyEntry, RingFile, load_ring, write_ring_file, write_secret_file
+from orchestrator.keys.ringfile import KeyEntry, load_ring
 from orchestrator.settings import Settings
 from orchestrator.wire import bodies
 from orchestrator.wire.kinds import Kind
 from tests.faults.invariants import assert_no_violations, check_runs
 from tests.integration.refusals import NAMES, parked, parked_one, publish_report, run_keys
+from tests.integration.rings import write_ring
 from tests.integration.stack import Stack, now_ms, poll
 
 GRACE_MS = 3_000
@@ -54,23 +56,22 @@ RING = [
 ]
 
 
-def write_ring(path: Path, entries: list[KeyEntry]) -> None:
-    for e in entries:
-        if e.secret_file:
-            write_secret_file(path.parent / e.secret_file)
-    write_ring_file(path, RingFile(keys=entries))
-
-
 def reloads(stack: Stack, name: str) -> int:
     return stack.log(name).count("reloaded: holding")
 
 
 @pytest.fixture(scope="module")
 def keyed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, Path]]:
-    path = tmp_path_factory.mktemp("ring") / "ring.yaml"
-    write_ring(path, RING)
+    with keyed_stack("keyring", tmp_path_factory.mktemp("ring") / "ring.yaml", RING) as running:
+        yield running
+
+
+@contextmanager
+def keyed_stack(name: str, path: Path, entries: list[KeyEntry]) -> Iterator[tuple[Stack, Path]]:
+    """A stack on the ring of ``entries`` at ``path``: the orchestrator alone holds its own key."""
+    write_ring(path, entries)
     env = {"SAGA_KEY_RING_FILE": str(path), "SAGA_KEY_RETIRE_GRACE_MS": str(GRACE_MS)}
-    stack = Stack("keyring", env=env)
+    stack = Stack(name, env=env)
     stack.setup()
     try:
         stack.start_orchestrator(extra_env={ORCH_SECRET_ENV: ORCH_SECRET})
@@ -115,10 +116,7 @@ def test_forgeries_of_every_kind_are_refused_before_any_write_and_runs_complete(
     keys = forger(path)
     with SyncClient(settings_of(stack, path)) as client:
         # Given a completed run, whose keys are dumped
-        done = client.start("model-ingest", {"modelId": "forged-1"})
-        assert client.wait(done, timeout_s=60).state == "completed"
-        record = stack.record(done)
-        before = run_keys(stack, done)
+        done, record, before = completed_run(stack, client, "forged-1")
         genuine = keys.sign(publish_report(record, done, now_ms()))
         # When forgeries of every kind name it
         forged = forgeries(keys, genuine)
@@ -135,6 +133,13 @@ def test_forgeries_of_every_kind_are_refused_before_any_write_and_runs_complete(
         assert run_keys(stack, done) == before
         assert client.wait(running, timeout_s=60).state == "completed"
         assert_no_violations(check_runs(stack.redis, stack.prefix, [done, running]), "the shared invariants")
+
+
+def completed_run(stack: Stack, client: SyncClient, model: str) -> tuple[str, dict[str, str], dict[str, Any]]:
+    """A completed run of model-ingest: its id, its record and a dump of its keys."""
+    run_id = client.start("model-ingest", {"modelId": model})
+    assert client.wait(run_id, timeout_s=60).state == "completed"
+    return run_id, stack.record(run_id), run_keys(stack, run_id)
 
 
 def _parked_reasons(stack: Stack, count: int) -> list[str] | None:
@@ -193,10 +198,7 @@ def test_a_pool_key_cannot_report_on_a_task_of_a_contract_it_does_not_serve(
     keys = forger(path)
     with SyncClient(settings_of(stack, path)) as client:
         # Given a completed run
-        run_id = client.start("model-ingest", {"modelId": "forged-3"})
-        assert client.wait(run_id, timeout_s=60).state == "completed"
-        record = stack.record(run_id)
-        before = run_keys(stack, run_id)
+        run_id, record, before = completed_run(stack, client, "forged-3")
         # When a pool serving thumbnail.render signs a report on its publish stage (catalogue.publish),
         # claiming the contract it serves, so that its key's scope admits it
         # (under an id of its own: the genuine report's is a recognised duplicate before anything else)
@@ -235,17 +237,8 @@ SUCCESSORS = {
 
 @pytest.fixture
 def rotating(tmp_path: Path) -> Iterator[tuple[Stack, Path]]:
-    path = tmp_path / "ring.yaml"
-    write_ring(path, ROTATED)
-    env = {"SAGA_KEY_RING_FILE": str(path), "SAGA_KEY_RETIRE_GRACE_MS": str(GRACE_MS)}
-    stack = Stack("rotation", env=env)
-    stack.setup()
-    try:
-        stack.start_orchestrator(extra_env={ORCH_SECRET_ENV: ORCH_SECRET})
-        stack.start_worker()
-        yield stack, path
-    finally:
-        stack.teardown()
+    with keyed_stack("rotation", tmp_path / "ring.yaml", ROTATED) as running:
+        yield running
 
 
 def test_keys_rotate_under_load_without_a_restart_and_the_old_ones_are_refused_after_their_grace(

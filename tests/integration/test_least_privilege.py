@@ -14,27 +14,25 @@ from pathlib import Path
 import aio_pika
 import aiormq
 import pytest
-
 import redis
+
 from orchestrator.access import AccessRole, acl_file
 from orchestrator.client import SyncClient
-from orchestrator.keys.ring import KeyState, Scope
-from orchestrator.keys.ringfile import KeyEntry, RingFile, write_ring_file, write_secret_file
+from orchestrator.keys.ring import Scope
 from tests.faults.invariants import assert_no_violations, check_runs
 from tests.integration.own_redis import RedisServer
 from tests.integration.refusals import NAMES
+from tests.integration.rings import active, write_ring
 from tests.integration.stack import ROOT, Stack, rabbitmqctl
 
 pytestmark = pytest.mark.services
 
 ROLES = ("orchestrator", "worker", "client", "server", "admin")
 RING = [
-    KeyEntry(id="orch", scope=Scope.ORCHESTRATOR, state=KeyState.ACTIVE, secret_file="orch.key"),
-    KeyEntry(id="dispatch", scope=Scope.DISPATCH, state=KeyState.ACTIVE, secret_file="dispatch.key"),
-    KeyEntry(id="pool", scope=Scope.WORKER, state=KeyState.ACTIVE, secret_file="pool.key", contracts=["*"]),
-    KeyEntry(
-        id="client", scope=Scope.CLIENT, state=KeyState.ACTIVE, secret_file="client.key", tenants=["default"]
-    ),
+    active("orch", Scope.ORCHESTRATOR),
+    active("dispatch", Scope.DISPATCH),
+    active("pool", Scope.WORKER, contracts=["*"]),
+    active("client", Scope.CLIENT, tenants=["default"]),
 ]
 
 
@@ -48,9 +46,7 @@ def provisioned(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stac
     folder = tmp_path_factory.mktemp("least")
     server = RedisServer(folder)
     server.start()
-    for e in RING:
-        write_secret_file(folder / str(e.secret_file))
-    write_ring_file(folder / "ring.yaml", RingFile(keys=RING))
+    write_ring(folder / "ring.yaml", RING)
     stack = Stack("least", redis_url=server.url, env={"SAGA_KEY_RING_FILE": str(folder / "ring.yaml")})
     try:
         stack.setup()  # the topology and the definitions, as the administrator
@@ -155,13 +151,15 @@ def test_provisioning_again_keeps_each_roles_password(provisioned: tuple[Stack, 
 
 
 def test_the_composes_redis_acl_file_loads_and_refuses_what_each_role_may_not(tmp_path: Path) -> None:
-    """redis/users.acl (docker-compose's Redis) is what saga provision writes for the placeholder passwords,
-    and a real redis-server takes it: the default user is off, and each role is held to its rules."""
-    acl = ROOT / "redis" / "users.acl"
+    """deploy/redis-users.acl (docker-compose's Redis) is what saga provision writes for the placeholder
+    passwords, and a real redis-server takes it: the default user is off, and each role is held to its
+    rules."""
+    acl = ROOT / "deploy" / "redis-users.acl"
     passwords = {role: f"{role.value}-dev-password" for role in AccessRole}
     assert acl.read_text() == acl_file("saga", passwords), (
-        "redis/users.acl is out of date: run saga provision --no-redis --no-rabbitmq --secrets-dir "
-        "/tmp/placeholders --password ROLE:ROLE-dev-password (every role) --redis-acl-file redis/users.acl"
+        "deploy/redis-users.acl is out of date: run saga provision --no-redis --no-rabbitmq --secrets-dir "
+        "/tmp/placeholders --password ROLE:ROLE-dev-password (every role) "
+        "--redis-acl-file deploy/redis-users.acl"
     )
     server = RedisServer(tmp_path, "--aclfile", str(acl))
     server.start(as_user=("saga-admin", "admin-dev-password"))

@@ -21,17 +21,17 @@ from orchestrator.auth.tokens import TokenStore
 from orchestrator.bus.envelope import Envelope, Signer, encode
 from orchestrator.client import SyncClient
 from orchestrator.contracts import Registry
-from orchestrator.keys.ring import KeyState, Scope
-from orchestrator.keys.ringfile import KeyEntry, RingFile, load_ring, write_ring_file, write_secret_file
+from orchestrator.keys.ring import Scope
+from orchestrator.keys.ringfile import load_ring
 from orchestrator.provision import provision
 from orchestrator.settings import redis_client
 from orchestrator.store.keys import ShardKeys
 from orchestrator.wire import ids
 from orchestrator.wire.kinds import Kind
 from tests.faults.invariants import assert_no_violations, check_runs
-from tests.integration.own_redis import free_port
 from tests.integration.refusals import NAMES, parked_one
-from tests.integration.served import answers
+from tests.integration.rings import active, write_ring
+from tests.integration.served import serve
 from tests.integration.stack import Stack, now_ms, poll
 
 pytestmark = pytest.mark.services
@@ -43,39 +43,27 @@ TOKEN = "tok-" + CARD[::-1]
 MARKER = re.compile(r"\[sensitive:[0-9a-f]{8}\]")
 
 
-def entry(key_id: str, scope: Scope, **more: object) -> KeyEntry:
-    return KeyEntry.model_validate(
-        {"id": key_id, "scope": scope, "state": KeyState.ACTIVE, "secret_file": f"{key_id}.key", **more}
-    )
-
-
 RING = [
-    entry("orch", Scope.ORCHESTRATOR),
-    entry("dispatch", Scope.DISPATCH),
-    entry("pool", Scope.WORKER, contracts=["*"]),
-    entry("client", Scope.CLIENT, tenants=["default"]),
-    entry("server", Scope.SERVER, tenants=["*"]),
-    entry("data", Scope.DATA),
+    active("orch", Scope.ORCHESTRATOR),
+    active("dispatch", Scope.DISPATCH),
+    active("pool", Scope.WORKER, contracts=["*"]),
+    active("client", Scope.CLIENT, tenants=["default"]),
+    active("server", Scope.SERVER, tenants=["*"]),
+    active("data", Scope.DATA),
 ]
 
 
 @pytest.fixture(scope="module")
 def paying(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, Path, str]]:
     folder = tmp_path_factory.mktemp("redaction")
-    for e in RING:
-        write_secret_file(folder / f"{e.id}.key")
-    write_ring_file(folder / "ring.yaml", RingFile(keys=RING))
+    write_ring(folder / "ring.yaml", RING)
     stack = Stack("redaction", env={"SAGA_KEY_RING_FILE": str(folder / "ring.yaml")})
     stack.setup()
     asyncio.run(provision(stack.settings, Registry.from_modules([APP]), [PROBES / "probe-payment.yaml"]))
     try:
         stack.start_orchestrator()
         stack.start_worker("worker", "--app", APP)
-        port = free_port()
-        stack._spawn("server", ["server", "--port", str(port)], None)
-        base = f"http://127.0.0.1:{port}"
-        poll(lambda: answers(base + "/readyz"), 30, what="the server ready")
-        yield stack, folder, base
+        yield stack, folder, serve(stack)
     finally:
         stack.teardown()
 

@@ -18,15 +18,15 @@ from orchestrator.auth.roles import Role
 from orchestrator.auth.tokens import TokenStore
 from orchestrator.bus.envelope import Envelope, Signer, canonical, encode
 from orchestrator.client import RunNotFound, SyncClient
-from orchestrator.keys.ring import KeyState, Scope
-from orchestrator.keys.ringfile import KeyEntry, RingFile, load_ring, write_ring_file, write_secret_file
+from orchestrator.keys.ring import Scope
+from orchestrator.keys.ringfile import RingFile, load_ring, write_ring_file
 from orchestrator.settings import Settings, redis_client
 from orchestrator.wire import bodies
 from orchestrator.wire.kinds import Kind
 from tests.faults.invariants import assert_no_violations, check_runs
-from tests.integration.own_redis import free_port
 from tests.integration.refusals import NAMES, parked, parked_one
-from tests.integration.served import answers
+from tests.integration.rings import active, write_ring
+from tests.integration.served import serve
 from tests.integration.stack import Stack, now_ms, poll
 
 pytestmark = pytest.mark.services
@@ -35,18 +35,12 @@ LIMITS = {"globex": {"max_runs": 1}, "initech": {"starts_per_s": 1}}
 TENANTS = ("acme", "globex", "initech")
 
 
-def entry(key_id: str, scope: Scope, **more: object) -> KeyEntry:
-    return KeyEntry.model_validate(
-        {"id": key_id, "scope": scope, "state": KeyState.ACTIVE, "secret_file": f"{key_id}.key", **more}
-    )
-
-
 RING = [
-    entry("orch", Scope.ORCHESTRATOR),
-    entry("dispatch", Scope.DISPATCH),
-    entry("pool", Scope.WORKER, contracts=["*"]),
-    entry("server", Scope.SERVER, tenants=["*"]),
-    *(entry(f"client-{t}", Scope.CLIENT, tenants=[t]) for t in TENANTS),
+    active("orch", Scope.ORCHESTRATOR),
+    active("dispatch", Scope.DISPATCH),
+    active("pool", Scope.WORKER, contracts=["*"]),
+    active("server", Scope.SERVER, tenants=["*"]),
+    *(active(f"client-{t}", Scope.CLIENT, tenants=[t]) for t in TENANTS),
 ]
 
 
@@ -55,9 +49,7 @@ def tenanted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, 
     """A stack whose processes hold the whole ring, a ring file per tenant's client (its key alone) and
     ``saga server`` (its server key acts for every tenant)."""
     folder = tmp_path_factory.mktemp("tenants")
-    for e in RING:
-        write_secret_file(folder / f"{e.id}.key")
-    write_ring_file(folder / "ring.yaml", RingFile(keys=RING))
+    write_ring(folder / "ring.yaml", RING)
     for tenant in TENANTS:
         own = [e for e in RING if e.id == f"client-{tenant}"]
         write_ring_file(folder / f"{tenant}.yaml", RingFile(keys=own))
@@ -71,11 +63,7 @@ def tenanted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, 
     try:
         stack.start_orchestrator()
         stack.start_worker()
-        port = free_port()
-        stack._spawn("server", ["server", "--port", str(port)], None)
-        base = f"http://127.0.0.1:{port}"
-        poll(lambda: answers(base + "/readyz"), 30, what="the server ready")
-        yield stack, folder, base
+        yield stack, folder, serve(stack)
     finally:
         stack.teardown()
 
