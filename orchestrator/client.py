@@ -255,8 +255,8 @@ def run_id_for(definition: str, idempotency_key: str | None, tenant: str = DEFAU
     tenant's keys never meet another's runs; the default tenant's ids are those runs always had)."""
     if idempotency_key is None:
         return uuid.uuid4().hex
-    scoped = "" if tenant == DEFAULT_TENANT else f"{tenant}\x1f"
-    return uuid.uuid5(RUN_NAMESPACE, f"{scoped}{definition}\x1f{idempotency_key}").hex
+    namespace = RUN_NAMESPACE if tenant == DEFAULT_TENANT else uuid.uuid5(RUN_NAMESPACE, f"tenant:{tenant}")
+    return uuid.uuid5(namespace, f"{definition}\x1f{idempotency_key}").hex
 
 
 def start_envelope(

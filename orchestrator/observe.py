@@ -173,7 +173,13 @@ def redactor_of(
         spec = specs.get(name) or {}
         ref = spec.get("action") or spec.get("worker")
         if "input" in stage and ref in contracts:
-            found += sensitive_values(stage["input"], contracts[ref].get("input_schema"))
+            schema = contracts[ref].get("input_schema")
+            each = (
+                stage["input"]
+                if spec.get("type") == "map" and isinstance(stage["input"], list)
+                else [stage["input"]]
+            )
+            found += [v for item in each for v in sensitive_values(item, schema)]  # a map's: per item
     return Redactor.of(found, key)
 
 

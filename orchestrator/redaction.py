@@ -33,12 +33,12 @@ STRUCTURAL = frozenset(
         "created", "updated", "finished", "state", "status", "intent", "kind", "stage", "attempt", "item",
         "fence", "digest", "shard", "definition", "version", "tenant", "queue", "origin", "type", "order",
         "branch", "next", "contract", "reason_code", "amqp_message_id", "death_count", "delivery_count",
-        "key_id", "issued_at_ms", "deadline_ms", "signature", "versions", "engine", "plan",
+        "key_id", "issued_at_ms", "deadline_ms", "signature", "versions", "engine", "plan", "items",
     }
 )  # fmt: skip
 #: Fields that hold what a run was given or made (a context, an input, a result, a message's body): every
 #: field below one is scrubbed, whatever its name.
-VALUES = frozenset({"context", "input", "result", "output", "body", "error", "detail", "headers", "items"})
+VALUES = frozenset({"context", "input", "result", "output", "body", "error", "detail", "headers"})
 _MAX_DEPTH = 64
 
 
@@ -207,8 +207,8 @@ class Redactor:
             }
         if isinstance(node, (list, tuple)):
             return [self._scrub(value, inside, structural=structural) for value in node]
-        if node is None or isinstance(node, bool):
-            return node
+        if node is None or isinstance(node, bool) or (structural and not isinstance(node, str)):
+            return node  # a document's own numbers (counts, delays, attempts) are never a value it was given
         text = _text(node)
         if text in self.secrets:
             return self.marker(node)

@@ -34,6 +34,7 @@ SECRET_BYTES = 32
 _SECRET = re.compile(rf"{SECRET_PREFIX}_([0-9a-f]{{{TOKEN_ID_HEX}}})_[A-Za-z0-9_-]{{43,100}}")
 _TOKEN_ID = re.compile(rf"[0-9a-f]{{{TOKEN_ID_HEX}}}")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@-]{0,99}")
+MAX_TENANT_CHARS = 64  # an envelope's tenant (orchestrator/bus/envelope.py TENANT_PATTERN)
 MAX_ID_COLLISIONS = 8
 
 
@@ -103,9 +104,10 @@ class TokenNameInvalid(SagaError):
     def __init__(self, field: str, value: str) -> None:
         self.field = field
         self.value = value
+        most = 64 if field == "tenant" else 100
         super().__init__(
-            f"{field} {value!r} is not valid: 1 to 100 letters, digits and '. _ @ -', starting with a letter "
-            "or digit"
+            f"{field} {value!r} is not valid: 1 to {most} letters, digits and '. _ @ -', starting with a "
+            "letter or digit"
         )
 
 
@@ -169,8 +171,9 @@ class TokenRecord:
 
 
 def check_name(field: str, value: str) -> str:
-    """``value`` if it is a valid token name or tenant; raises :class:`TokenNameInvalid`."""
-    if not _NAME.fullmatch(value):
+    """``value`` if it is a valid token name or tenant (a tenant as messages carry it: at most 64
+    characters); raises :class:`TokenNameInvalid`."""
+    if not _NAME.fullmatch(value) or (field == "tenant" and len(value) > MAX_TENANT_CHARS):
         raise TokenNameInvalid(field, value)
     return value
 

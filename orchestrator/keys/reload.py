@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -107,9 +108,10 @@ def describe(ring: Ring) -> str:
 
 
 def reload(signer: Signer, source: RingSource) -> bool:
-    """Replace ``signer``'s ring with the file's; False (logged, the old ring kept) if it cannot be read,
-    or if a key this process held and that is still in the ring (not retired) is no longer held: its
-    secret file gone or unreadable mid-deploy would otherwise refuse every message it signed."""
+    """Replace ``signer``'s ring with the file's; False (logged, the old ring kept) if it cannot be read.
+    A key this process held that is still in the ring, not retired, but whose secret is gone or
+    unreadable (mid-deploy) keeps the secret it had, with a warning: else every message it signed would
+    be refused."""
     try:
         ring = source.load()
     except KeyRingError as exc:
@@ -117,15 +119,23 @@ def reload(signer: Signer, source: RingSource) -> bool:
         return False
     lost = lost_keys(signer.ring, ring)
     if lost:
-        log.error(
-            "key ring not reloaded, the previous one stays in use: it no longer holds the secret of %s "
-            "(still in the ring, not retired): restore the secret, or retire the key first",
+        log.warning(
+            "key ring %s: the secret of %s (still in the ring, not retired) can no longer be read here; "
+            "this process keeps the one it held. Restore it, or retire the key before taking it away",
+            source.path,
             ", ".join(lost),
         )
-        return False
+        ring = kept(ring, signer.ring, lost)
     signer.ring = ring
     log.info("key ring %s reloaded: %s", source.path, describe(ring))
     return True
+
+
+def kept(ring: Ring, before: Ring, lost: list[str]) -> Ring:
+    """``ring`` with the secrets ``before`` held of the ``lost`` keys."""
+    held = {k.key_id: k.secret for k in before.keys if k.key_id in lost}
+    keys = tuple(dataclasses.replace(k, secret=held[k.key_id]) if k.key_id in held else k for k in ring.keys)
+    return Ring(keys, ring.retire_grace_ms)
 
 
 def lost_keys(before: Ring, after: Ring) -> list[str]:

@@ -223,15 +223,17 @@ async def retire_shard(shard: str, request: Request, _: ShardChanger) -> dict[st
 class NewToken(BaseModel):
     name: str
     role: str
-    tenant: str | None = Field(None, description="default: the caller's own tenant")
+    tenant: str | None = Field(
+        None, description="default: the caller's own tenant ('default' for a token of the platform's)"
+    )
 
 
 @router.post("/tokens", tags=["tokens"], status_code=201)
 async def create_token(body: NewToken, request: Request, who: TokenAdmin) -> dict[str, Any]:
     """A new token: its secret is in this answer only (only its hash is kept). An admin of a tenant
     other than the platform's creates tokens of its own tenant only."""
-    tenant = body.tenant or who.tenant
     scope = tenant_scope(request, who)
+    tenant = body.tenant or scope or "default"  # as the CLI's: the platform's callers name another tenant
     if scope is not None and tenant != scope:
         raise _forbidden(
             who,
@@ -255,7 +257,8 @@ async def revoke_token(name_or_id: str, request: Request, who: TokenAdmin) -> di
     """Revoke a token of the caller's tenant (any, for the platform's): it is refused from the next
     request on."""
     scope = tenant_scope(request, who)
-    if scope is not None and (await request.app.state.tokens.get(name_or_id)).tenant != scope:
+    found = await request.app.state.tokens.get(name_or_id)  # resolved once: a name freed meanwhile and
+    if scope is not None and found.tenant != scope:  # taken by another tenant's token is not revoked
         raise TokenNotFound(name_or_id)  # another tenant's: not this caller's to know of
-    record, changed = await request.app.state.tokens.revoke(name_or_id, actor=who.name)
+    record, changed = await request.app.state.tokens.revoke(found.token_id, actor=who.name)
     return {**record.to_json(), "changed": changed}

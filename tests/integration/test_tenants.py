@@ -77,12 +77,10 @@ def as_tenant(stack: Stack, folder: Path, tenant: str) -> dict[str, str]:
     return {"SAGA_KEY_RING_FILE": str(folder / f"{tenant}.yaml")}
 
 
-async def _token(settings: Settings, name: str, tenant: str) -> str:
+async def _token(settings: Settings, name: str, tenant: str, role: Role = Role.OPERATOR) -> str:
     client = redis_client(settings)
     try:
-        secret, _ = await TokenStore(client, settings.key_prefix).create(
-            name, Role.OPERATOR, tenant, actor="t"
-        )
+        secret, _ = await TokenStore(client, settings.key_prefix).create(name, role, tenant, actor="t")
         return secret
     finally:
         await client.aclose()
@@ -236,3 +234,25 @@ def test_a_tenants_map_whose_refills_and_release_are_messages_completes(
     assert stack.record(batch)["tenant"] == "acme" and "stage.completed" in history
     assert not [m for m in parked(stack) if m["reason"] == "wrong-tenant" and m["run_id"] == batch]
     assert_no_violations(check_runs(stack.redis, stack.prefix, [batch]), "the shared invariants")
+
+
+def test_a_tenants_admin_manages_its_own_tenants_tokens_only(tenanted: tuple[Stack, Path, str]) -> None:
+    stack, _, base = tenanted
+    admin = asyncio.run(_token(stack.settings, "acme-admin", "acme", Role.ADMIN))
+    platform = asyncio.run(_token(stack.settings, "platform-viewer", "default", Role.VIEWER))
+    headers = {"Authorization": f"Bearer {admin}"}
+
+    def call(method: str, path: str, **kwargs: Any) -> httpx.Response:
+        return httpx.request(method, base + "/api/v1" + path, headers=headers, timeout=30, **kwargs)
+
+    # A token it creates is its tenant's; one of the platform's tenant is refused
+    made = call("POST", "/tokens", json={"name": "acme-ci", "role": "operator"})
+    assert made.status_code == 201 and made.json()["tenant"] == "acme", made.text
+    refused = call("POST", "/tokens", json={"name": "sneaky", "role": "admin", "tenant": "default"})
+    assert refused.status_code == 403 and refused.json()["error"]["code"] == "forbidden", refused.text
+    # It lists only its tenant's, and another tenant's token is not found to revoke
+    listed = {t["name"] for t in call("GET", "/tokens").json()}
+    assert {"acme-admin", "acme-ci"} <= listed and "platform-viewer" not in listed
+    assert call("POST", "/tokens/platform-viewer/revoke").status_code == 404
+    still = httpx.get(base + "/api/v1/runs", headers={"Authorization": f"Bearer {platform}"}, timeout=30)
+    assert still.status_code == 200, still.text  # not revoked

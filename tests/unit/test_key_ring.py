@@ -348,14 +348,17 @@ def test_a_ring_file_that_is_not_there_is_an_error_and_a_reload_keeps_the_ring_i
     assert not reload(signer, source) and signer.key_for(Kind.TASK).key_id == "d1"
 
 
-def test_a_reload_that_would_lose_a_held_key_keeps_the_ring_in_use(tmp_path: Path) -> None:
+def test_a_reload_that_would_lose_a_held_keys_secret_keeps_that_secret_and_takes_the_rest(
+    tmp_path: Path,
+) -> None:
     path = _ring_at(tmp_path, "d1")
     source = RingSource(path, GRACE, {})
     signer = Signer(source.load())
     (tmp_path / "d1.key").unlink()  # its secret gone mid-deploy, the key still in the ring
-    assert not reload(signer, source) and signer.key_for(Kind.TASK).key_id == "d1"
-    write_ring_file(path, retired(read_ring_file(path), "d1", 5, "t", force=True))
-    assert reload(signer, source)  # retired first: letting its secret go is expected
+    write_ring_file(path, activated(read_ring_file(path), "d2", 2, "t"))
+    assert reload(signer, source)
+    assert signer.key_for(Kind.TASK).key_id == "d2"  # the change is taken ...
+    assert [k.key_id for k in signer.ring.held()] == ["d1", "d2"]  # ... and d1 still verifies
 
 
 def test_ring_file_edits_keep_its_mode_and_refuse_a_shared_secret(tmp_path: Path) -> None:

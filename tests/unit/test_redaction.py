@@ -57,12 +57,17 @@ def test_a_marker_stands_for_one_value_the_same_wherever_it_is_and_hides_it_in_t
     redactor = Redactor.of(["4111222233334444", 1234], key=b"k" * 32)
     shown = redactor.scrub(
         {
-            "card": "4111222233334444",
-            "pin": 1234,
+            "result": {
+                "card": "4111222233334444",
+                "pin": 1234,
+                "list": ["4111222233334444", 12345],
+            },
             "error": "card 4111222233334444 declined (pin 1234)",
-            "list": ["4111222233334444", 12345],
+            "delay_ms": 1234,  # a document's own number: never a value it was given
         }
     )
+    assert shown["delay_ms"] == 1234
+    shown = {**shown["result"], "error": shown["error"]}
     marker = shown["card"]
     assert marker.startswith("[sensitive:") and shown["list"][0] == marker and shown["list"][1] == 12345
     assert shown["error"] == f"card {marker} declined (pin {shown['pin']})"
