@@ -15,7 +15,7 @@ from orchestrator import observe, views
 from orchestrator.cli_runtime import _emit, _run, _settings
 from orchestrator.client import WaitTimeout
 from orchestrator.engine.model import RunStatus, StageStatus
-from orchestrator.keys.reload import data_key, signer_for, tenant_scope
+from orchestrator.keys.reload import data_key, sealer_for, signer_for, tenant_scope
 from orchestrator.remote import remote_client
 from orchestrator.settings import Settings, redis_client
 from orchestrator.store import worker_registry
@@ -165,11 +165,11 @@ def wait(run_id: str, timeout_s: float, as_json: bool) -> None:
 
 async def _wait(settings: Settings, run_id: str, timeout_s: float) -> dict[str, Any] | None:
     client = redis_client(settings)
-    scope, key = _scope(settings), data_key(settings)
+    scope, key, sealer = _scope(settings), data_key(settings), sealer_for(settings)
     try:
 
         async def read() -> dict[str, Any]:
-            return await observe.run_document(client, settings.key_prefix, run_id, scope, key)
+            return await observe.run_document(client, settings.key_prefix, run_id, scope, key, sealer)
 
         return await observe.follow(read, run_id, timeout_s=timeout_s, interval_s=0.1)
     finally:

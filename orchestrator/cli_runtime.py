@@ -25,10 +25,11 @@ from orchestrator.cli_errors import SERVICE_ERRORS, CliError, CodedUsageError, u
 from orchestrator.cli_options import metrics_options
 from orchestrator.client import Client, RedriveRefused
 from orchestrator.durability import DurabilityRefused, Role, check_startup
-from orchestrator.keys.reload import data_key, signer_for, start_reloading, tenant_scope
+from orchestrator.keys.reload import data_key, sealer_for, signer_for, start_reloading, tenant_scope
 from orchestrator.observe import RunFilter, list_runs, run_document
 from orchestrator.reconcile import Reconciler, Report
 from orchestrator.remote import Remote, remote_client
+from orchestrator.sealing import Sealer
 from orchestrator.settings import Settings, redis_client
 from orchestrator.shard.processor import Processor
 from orchestrator.shard.service import ShardOptions, ShardService
@@ -183,6 +184,7 @@ def orchestrator(
             metrics_interval_s=None if metrics_port is None else 1.0,
             freshness=settings.freshness(),
             tenant_limits=settings.tenant_limits,
+            encrypt_sensitive=settings.encrypt_sensitive,
         )
 
         me = membership.process_id()
@@ -197,6 +199,8 @@ def orchestrator(
 
         following = not shards  # --shards pins; otherwise the map and the other members are followed
         signer = signer_for(settings)
+        if settings.encrypt_sensitive:
+            Sealer(lambda: signer.ring).check()  # refuse to start rather than fail every sealed transition
         stop_reloading = start_reloading(signer, settings)
         service = ShardService(
             connection,
@@ -592,7 +596,12 @@ def reconcile(dry_run: bool, min_age_s: float, stranded_after_s: float, as_json:
             signer = signer_for(settings)
             reconciler = Reconciler(
                 store,
-                Processor(store, lambda: int(time.time() * 1000), settings.limits()),
+                Processor(
+                    store,
+                    lambda: int(time.time() * 1000),
+                    settings.limits(),
+                    sealer=Sealer(lambda: signer.ring),  # opens what was sealed; re-publishes as given
+                ),
                 Publisher(
                     channel,
                     signer,
@@ -635,7 +644,9 @@ async def _shown_output(settings: Settings, run_id: str) -> Any:
     """The run's output as it is shown: its sensitive values marked."""
     client = redis_client(settings)
     try:
-        document = await run_document(client, settings.key_prefix, run_id, key=data_key(settings))
+        document = await run_document(
+            client, settings.key_prefix, run_id, key=data_key(settings), sealer=sealer_for(settings)
+        )
         return document["output"]
     finally:
         await client.aclose()

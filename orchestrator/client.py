@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
@@ -34,8 +35,9 @@ from orchestrator.engine.plan import Plan, typed_plan
 from orchestrator.errors import SagaError
 from orchestrator.governance.lifecycle import DefinitionNotFound, DefinitionState, VersionRecord, choose
 from orchestrator.governance.store import definition_key, names_key, parse_state
-from orchestrator.keys.reload import RingFollower, signer_for, start_reloading, tenant_scope
+from orchestrator.keys.reload import RingFollower, opened, signer_for, start_reloading, tenant_scope
 from orchestrator.run_ends import CONFIRM_TIMEOUT_S, Ending, RunEnds, parse_ending
+from orchestrator.sealing import Sealer, SealError
 from orchestrator.settings import Settings, redis_client
 from orchestrator.store import shardmap_store
 from orchestrator.store.connect import REDIS_ERRORS, announces_run_ends, sync_client
@@ -722,7 +724,7 @@ class Client:
         if record:
             if not visible(_text(record), scope):
                 raise RunNotFound(run_id)
-            return status_document(_text(record))
+            return status_document(opened(_text(record), Sealer(lambda: self.signer.ring)))
         refused = await self.redis.hgetall(refused_key(prefix, run_id))  # type: ignore[misc]
         if refused:
             if not visible(_text(refused), scope):
@@ -738,7 +740,7 @@ class Client:
         result = await self._wait(run_id, timeout_s, poll_s)
         if tenant_scope(self.signer, self.settings) is not None:
             await self._document(run_id)  # raises RunNotFound for another tenant's run
-        return result
+        return _opened_result(result, self.signer)
 
     async def _wait(self, run_id: str, timeout_s: float, poll_s: float) -> RunResult:
         """Wait until the run is completed or failed (finalisers included), or its start was refused.
@@ -775,6 +777,19 @@ class Client:
         if self._ends is None:
             self._ends = RunEnds(self.redis, self.settings.key_prefix)
         return self._ends
+
+
+def _opened_result(result: RunResult, signer: Signer) -> RunResult:
+    """``result`` with its output's values sealed at rest opened, where this client holds the data key
+    (SAGA_ENCRYPT_SENSITIVE); else as it is."""
+    if result.output is None or signer.ring.data_secret() is None:
+        return result
+    try:
+        return dataclasses.replace(
+            result, output=Sealer(lambda: signer.ring).unseal(result.output, result.run_id)
+        )
+    except SealError:
+        return result
 
 
 def _ended(run_id: str, document: Mapping[str, Any] | None, ending: Ending | None) -> RunResult | None:
@@ -924,7 +939,7 @@ class SyncClient:
         shard = self.redis.get(index_key(prefix, run_id))
         record = self.redis.hgetall(ShardKeys(prefix, str(shard)).run(run_id)) if shard else {}
         if record and visible(_text(record), scope):  # type: ignore[arg-type]
-            return status_document(_text(record))  # type: ignore[arg-type]
+            return status_document(opened(_text(record), Sealer(lambda: self.signer.ring)))  # type: ignore[arg-type]
         refused = self.redis.hgetall(refused_key(prefix, run_id))
         if refused and not record and visible(_text(refused), scope):  # type: ignore[arg-type]
             return refused_document(run_id, _text(refused))  # type: ignore[arg-type]
@@ -935,7 +950,7 @@ class SyncClient:
         result = self._wait(run_id, timeout_s, poll_s)
         if tenant_scope(self.signer, self.settings) is not None:
             self.status(run_id)  # raises RunNotFound for another tenant's run
-        return result
+        return _opened_result(result, self.signer)
 
     def _wait(self, run_id: str, timeout_s: float, poll_s: float) -> RunResult:
         """:meth:`Client.wait`, blocking: subscribed to the run's end (on a connection of its own) before

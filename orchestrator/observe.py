@@ -22,8 +22,9 @@ from orchestrator.bus.connect import connect_once
 from orchestrator.bus.names import SERIAL_TASKS
 from orchestrator.client import RunNotFound, is_final, refused_document, status_document, visible
 from orchestrator.engine.model import StageStatus
-from orchestrator.keys.reload import data_key
+from orchestrator.keys.reload import data_key, opened, sealer_for
 from orchestrator.redaction import Redactor, run_secrets, sensitive_values
+from orchestrator.sealing import Sealer
 from orchestrator.settings import Settings, redis_client
 from orchestrator.shardmap import ShardMap
 from orchestrator.store import shardmap_store
@@ -103,7 +104,12 @@ async def read_record(
 
 
 async def run_document(
-    client: aioredis.Redis, prefix: str, run_id: str, tenant: str | None = None, key: bytes | None = None
+    client: aioredis.Redis,
+    prefix: str,
+    run_id: str,
+    tenant: str | None = None,
+    key: bytes | None = None,
+    sealer: Sealer | None = None,
 ) -> dict[str, Any]:
     """``client.status_document`` of a run (its output's sensitive values marked, ``key`` keying the
     marks), or of a run id whose start the shard refused (state ``refused``, with the reason); raises
@@ -115,6 +121,7 @@ async def run_document(
         if refused and visible(refused, tenant):
             return refused_document(run_id, refused)
         raise
+    record = opened(record, sealer)
     document = status_document(record)
     if document["output"] is None:
         return document
@@ -140,7 +147,7 @@ async def status_view(
     stage's result, progress and (with ``probe``) why a dispatched stage waits. ``tenant``: only a run
     of that tenant (else RunNotFound)."""
     try:
-        record = await read_record(client, settings.key_prefix, run_id, tenant)
+        record = opened(await read_record(client, settings.key_prefix, run_id, tenant), sealer_for(settings))
     except RunNotFound:
         return {**await run_document(client, settings.key_prefix, run_id, tenant), "order": []}
     document = status_document(record)
@@ -254,7 +261,12 @@ async def follow(
 
 
 async def run_history(
-    client: aioredis.Redis, prefix: str, run_id: str, tenant: str | None = None, key: bytes | None = None
+    client: aioredis.Redis,
+    prefix: str,
+    run_id: str,
+    tenant: str | None = None,
+    key: bytes | None = None,
+    sealer: Sealer | None = None,
 ) -> list[dict[str, Any]]:
     """A run's history, its sensitive values marked (``key``: the marks' hash key); raises RunNotFound
     (for ``tenant``, as :func:`read_record`)."""
@@ -272,7 +284,7 @@ async def run_history(
         plan = await store.plan(record["digest"])
     except PlanNotFound:
         return events
-    scrubbed: list[dict[str, Any]] = redactor_of(record, plan, key).scrub(events)
+    scrubbed: list[dict[str, Any]] = redactor_of(opened(record, sealer), plan, key).scrub(events)
     return scrubbed
 
 

@@ -21,16 +21,21 @@ the first two for the shards it serves, periodically.
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 from orchestrator.bus.publisher import Publisher, outgoing_from_payload
+from orchestrator.sealing import PREFIX, SealError
 from orchestrator.shard.processor import Processor
 from orchestrator.store.keys import index_key
 from orchestrator.store.redis_store import RedisStore
 from orchestrator.wire import sizes
 from orchestrator.wire.outgoing import Outgoing
+
+log = logging.getLogger(__name__)
 
 ACTIVE_RUN_STATES = ("running", "finalising")
 SCAN_BATCH = 500
@@ -82,6 +87,19 @@ class Reconciler:
         async with asyncio.timeout(self.redis_timeout_s):
             return await self.store.outbox(shard)
 
+    def _opened(self, payload: dict[str, Any]) -> dict[str, Any] | None:
+        """An outbox entry with its values sealed at rest opened (None, logged: one that will not open
+        stays for a process that holds its key, and the others go on)."""
+        sealer = self.processor.sealer
+        if sealer is None or PREFIX not in json.dumps(payload.get("body")):
+            return payload
+        try:
+            opened: dict[str, Any] = sealer.unseal(payload, str(payload.get("run_id", "")))
+            return opened
+        except SealError as exc:
+            log.error("outbox entry %s is not re-published: %s", payload.get("id"), exc)
+            return None
+
     async def outbox(
         self, shard: str, now_ms: int, *, dry_run: bool, entries: dict[str, dict[str, Any]] | None = None
     ) -> Report:
@@ -90,7 +108,11 @@ class Reconciler:
         found = entries if entries is not None else await self._entries(shard)
         old = [p for p in found.values() if int(p.get("at", 0)) <= now_ms - self.min_age_ms]
         report.unsent += [str(p["id"]) for p in old]
-        messages = [outgoing_from_payload(p) for p in old]
+        messages = []
+        for payload in old:
+            opened = self._opened(payload)
+            if opened is not None:
+                messages.append(outgoing_from_payload(opened))
         too_big = [m for m in messages if sizes.too_big(m.body, self.processor.limits) is not None]
         report.undeliverable += [m.message_id for m in too_big]
         if dry_run or self.publisher is None:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 SENSITIVE = "sensitive"  # the JSON Schema keyword that marks a value sensitive
+SEALED = "$saga-sealed:"  # how a value sealed at rest begins (orchestrator/sealing.py)
 WITHHELD = "(a sensitive value, withheld)"
 MIN_SCRUBBED_CHARS = 4  # shorter values are replaced where they are a whole value, not inside texts
 #: Fields a document shows that are never a value a run was given or made (ids, times, states, names):
@@ -189,8 +190,9 @@ class Redactor:
         return f"[sensitive:{digest}]"
 
     def scrub(self, document: Any) -> Any:
-        """``document`` with every secret replaced by its marker."""
-        if not self.secrets:
+        """``document`` with every secret replaced by its marker (and every value sealed at rest that
+        could not be opened, by a bare one)."""
+        if not self.secrets and SEALED not in json.dumps(document, default=str):
             return document
         inside = sorted((s for s in self.secrets if len(s) >= MIN_SCRUBBED_CHARS), key=len, reverse=True)
         return self._scrub(document, inside, structural=True)
@@ -212,6 +214,8 @@ class Redactor:
         text = _text(node)
         if text in self.secrets:
             return self.marker(node)
+        if isinstance(node, str) and node.startswith(SEALED):
+            return "[sensitive]"  # sealed, and not opened here (no data key): it still says what it is
         if isinstance(node, str):
             for secret in inside:
                 if secret in node:

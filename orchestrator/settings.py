@@ -108,6 +108,11 @@ class Settings(BaseSettings):
         "every tenant not named); each shard admits its share of a start's tenant's limits, and refuses "
         "a start over them at once",
     )
+    encrypt_sensitive: bool = Field(
+        False,
+        description="keep sensitive values (marked in contracts and context schemas) encrypted in Redis "
+        "with the key ring's data key, which orchestrators (and whatever shows runs) then need",
+    )
     platform_tenant: str = Field(
         "default",
         description="the tenant that runs the platform: its tokens (and keys that are not a client's) see "

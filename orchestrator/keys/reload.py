@@ -24,6 +24,7 @@ from pathlib import Path
 from orchestrator.bus.envelope import Signer
 from orchestrator.keys.ring import KeyState, Ring
 from orchestrator.keys.ringfile import KeyRingError, load_ring, read_ring_file, secret_path
+from orchestrator.sealing import PREFIX, Sealer, SealError
 from orchestrator.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -90,6 +91,27 @@ def data_key(settings: Settings) -> bytes | None:
     ring, or where this process does not hold it)."""
     source = source_of(settings)
     return source.load().data_secret() if source is not None else None
+
+
+def sealer_for(settings: Settings) -> Sealer | None:
+    """What opens sensitive values sealed at rest, for a process that shows runs: the key ring's data keys
+    (None without a ring)."""
+    source = source_of(settings)
+    if source is None:
+        return None
+    ring = source.load()
+    return Sealer(lambda: ring)
+
+
+def opened(record: dict[str, str], sealer: Sealer | None) -> dict[str, str]:
+    """``record`` with the values sealed at rest opened where ``sealer`` can (else as it is: a view then
+    shows them as sensitive)."""
+    if sealer is None or not any(PREFIX in value for value in record.values()):
+        return record
+    try:
+        return sealer.unseal_record(record, record.get("run_id", ""))
+    except SealError:
+        return record
 
 
 def tenant_scope(signer: Signer, settings: Settings) -> str | None:

@@ -12,7 +12,7 @@ from pydantic import BaseModel, Field
 
 from orchestrator import observe
 from orchestrator.client import Client
-from orchestrator.keys.reload import data_key
+from orchestrator.keys.reload import data_key, sealer_for
 from orchestrator.server.auth import Canceller, Reader, Redriver, Starter, tenant_scope
 from orchestrator.server.errors import ApiError
 
@@ -93,7 +93,12 @@ async def status(run_id: str, request: Request, who: Reader, inputs: bool = Fals
 async def history(run_id: str, request: Request, who: Reader) -> dict[str, Any]:
     app = request.app.state
     events = await observe.run_history(
-        app.redis, app.settings.key_prefix, run_id, tenant_scope(request, who), data_key(app.settings)
+        app.redis,
+        app.settings.key_prefix,
+        run_id,
+        tenant_scope(request, who),
+        data_key(app.settings),
+        sealer_for(app.settings),
     )
     return {"run_id": run_id, "events": events}
 

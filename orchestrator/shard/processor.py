@@ -35,6 +35,7 @@ from orchestrator.engine.model import (
 from orchestrator.engine.plan import Plan
 from orchestrator.governance.lifecycle import NotStartable, State, choose
 from orchestrator.governance.store import DefinitionStore, DigestInfo
+from orchestrator.sealing import Sealer, plan_marks
 from orchestrator.shard.admission import TenantAdmission
 from orchestrator.shard.events import start_body, to_event
 from orchestrator.shard.records import RunRecords
@@ -102,11 +103,18 @@ class Processor:
         clock_ms: Callable[[], int],
         limits: Limits = DEFAULT_LIMITS,
         admission: TenantAdmission | None = None,
+        sealer: Sealer | None = None,
+        seal_writes: bool = False,
     ) -> None:
         self.store = store
         self.clock_ms = clock_ms
         self.limits = limits
         self.admission = admission
+        # opens values sealed at rest it reads back (whenever there is a ring: a process without the setting
+        # still reads what others sealed); seals what it writes with SAGA_ENCRYPT_SENSITIVE
+        self.sealer = sealer
+        self.seal_writes = seal_writes and sealer is not None
+        self._marks: dict[int, tuple[Plan, bool]] = {}  # id(plan) -> (plan, whether it marks anything)
         self._class_sizes: dict[str, tuple[int, int]] = {}  # shard class -> (read at ms, served shards)
         self.definitions = DefinitionStore(store.client, store.prefix)
         self.records = RunRecords()
@@ -247,7 +255,13 @@ class Processor:
                     self.records.keep(shard, run, kept.record, built)
                 read[run] = _Read(kept.record, built, kept=True)
         if missing:
-            for run, record in zip(missing, await self.store.records(shard, missing), strict=True):
+            records = await self.store.records(shard, missing)
+            if self.sealer is not None and self.sealer.has_keys():
+                records = [
+                    self.sealer.unseal_record(r, run) if r is not None else None
+                    for run, r in zip(missing, records, strict=True)
+                ]
+            for run, record in zip(missing, records, strict=True):
                 snapshot = snapshot_from_record(record, {}, shared=True) if record is not None else None
                 read[run] = _Read(record, snapshot, kept=False)
         return read
@@ -291,6 +305,8 @@ class Processor:
         event = item.event
         if isinstance(event, BarrierReleased) and event.stage in plan.bags:
             members = await self.store.barrier_members(shard, item.run_id, event.stage)
+            if self.sealer is not None and self.sealer.has_keys():
+                members = {m: self.sealer.unseal_text(text, item.run_id) for m, text in members.items()}
             return dataclasses.replace(snapshot, map_results={event.stage: ordered_items(members)})
         if isinstance(event, Nudge):
             bags = tuple(n for n in snapshot.stages if n in plan.bags)
@@ -474,7 +490,15 @@ class Processor:
             return []
         results = await self.store.apply_many(
             shard,
-            [(item.run_id, item.event.message_id, decision, plan) for item, plan, decision in ready],
+            [
+                (
+                    item.run_id,
+                    item.event.message_id,
+                    self._stored(plan, item.run_id, read.get(item.run_id), decision),
+                    plan,
+                )
+                for item, plan, decision in ready
+            ],
             now,
         )
         again = []
@@ -492,6 +516,18 @@ class Processor:
                     publish=_to_publish(decision, result.code, result.detail), verdict=decision.verdict
                 )
         return again
+
+    def _stored(self, plan: Plan, run_id: str, run: _Read | None, decision: Decision) -> Decision:
+        """``decision`` as Redis keeps it: with SAGA_ENCRYPT_SENSITIVE, its sensitive values sealed (what is
+        published from it, and kept in memory, stays as the engine made it)."""
+        if self.sealer is None or not self.seal_writes:
+            return decision
+        kept = self._marks.get(id(plan))
+        if kept is None or kept[0] is not plan:
+            kept = self._marks[id(plan)] = (plan, plan_marks(plan))
+        if not kept[1]:
+            return decision
+        return self.sealer.sealed(plan, run.snapshot if run is not None else None, decision, run_id)
 
     def _bring_forward(
         self, shard: str, run_id: str, read: dict[str, _Read], decision: Decision, result: ApplyResult

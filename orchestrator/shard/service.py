@@ -46,6 +46,7 @@ from orchestrator.bus.inbound import Delivered
 from orchestrator.bus.names import Names
 from orchestrator.bus.publisher import Publisher, envelope_for
 from orchestrator.reconcile import Reconciler
+from orchestrator.sealing import Sealer
 from orchestrator.shard.admission import TenantAdmission, TenantLimit
 from orchestrator.shard.processor import Outcome, Processor
 from orchestrator.store.redis_store import RedisStore
@@ -120,6 +121,7 @@ class ShardOptions:
     crash_points: frozenset[str] = frozenset()  # tests only: see crash()
     freshness: Freshness = field(default_factory=Freshness)  # how old a message taken may be, by kind
     tenant_limits: Mapping[str, TenantLimit] = field(default_factory=dict)  # SAGA_TENANT_LIMITS
+    encrypt_sensitive: bool = False  # SAGA_ENCRYPT_SENSITIVE: sensitive values sealed in Redis
     # how often to read each shard's outbox depth and due timers into the metrics (None: never)
     metrics_interval_s: float | None = None
 
@@ -204,7 +206,12 @@ class ShardService:
         admission = None
         if self.options.tenant_limits:
             admission = TenantAdmission(self.options.tenant_limits, time.monotonic)
-        self.processor = Processor(self.store, self.clock_ms, limits, admission)
+        # values sealed at rest are opened whoever sealed them (a fleet part way through turning the setting
+        # on or off); this process seals what it writes only with the setting
+        sealer = Sealer(lambda: self.signer.ring)
+        self.processor = Processor(
+            self.store, self.clock_ms, limits, admission, sealer, seal_writes=self.options.encrypt_sensitive
+        )
 
     def stop(self) -> None:
         """Finish the batch in hand, stop consuming, close: SIGTERM drains."""

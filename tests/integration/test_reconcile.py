@@ -112,7 +112,11 @@ def test_an_outbox_entry_too_large_to_send_is_not_sent_and_its_step_fails_with_w
     record = stack.record(run_id)
     assert record["s:cache-lookup:status"] == "failed"
     assert "the task cannot be sent" in record["reason"] and "32,768" in record["reason"]
-    assert stack.queue_depths().get(CACHE_LOOKUP_QUEUE, 0) == 0  # nothing parked, nothing sent
+    # nothing sent: a worker would have acted on it (its effect is recorded under the task's id, its
+    # idempotency key) within this second; the queue's depth would count other runs' tasks in flight
+    time.sleep(1.0)
+    assert task_id not in stack.world.effects()
+    assert stack.queue_depths().get(Names().task_dead_letters("tasks.actions"), 0) == 0  # nor parked
     stack.start_orchestrator()
     assert stack.wait_finished(run_id)["status"] == "failed"
 

@@ -24,6 +24,7 @@ from orchestrator.contracts import Registry
 from orchestrator.keys.ring import Scope
 from orchestrator.keys.ringfile import load_ring
 from orchestrator.provision import provision
+from orchestrator.sealing import Sealer
 from orchestrator.settings import redis_client
 from orchestrator.store.keys import ShardKeys
 from orchestrator.wire import ids
@@ -53,11 +54,18 @@ RING = [
 ]
 
 
-@pytest.fixture(scope="module")
-def paying(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, Path, str]]:
+@pytest.fixture(scope="module", params=[False, True], ids=["as-given", "sealed-at-rest"])
+def paying(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Stack, Path, str]]:
+    """The stack, with sensitive values kept in Redis as given, then sealed (SAGA_ENCRYPT_SENSITIVE)."""
     folder = tmp_path_factory.mktemp("redaction")
     write_ring(folder / "ring.yaml", RING)
-    stack = Stack("redaction", env={"SAGA_KEY_RING_FILE": str(folder / "ring.yaml")})
+    env = {
+        "SAGA_KEY_RING_FILE": str(folder / "ring.yaml"),
+        "SAGA_ENCRYPT_SENSITIVE": str(request.param).lower(),
+    }
+    stack = Stack("redaction", env=env)
     stack.setup()
     asyncio.run(provision(stack.settings, Registry.from_modules([APP]), [PROBES / "probe-payment.yaml"]))
     try:
@@ -77,7 +85,8 @@ def test_sensitive_values_reach_the_worker_and_nowhere_else(paying: tuple[Stack,
         assert client.wait(run_id, timeout_s=60).state == "completed"
     record = stack.record(run_id)
     # Then the worker got the real card (its token is derived from it) and the run kept what it needs
-    assert json.loads(record["s:charge:result"])["token"] == TOKEN
+    kept = Sealer(lambda: load_ring(folder / "ring.yaml", 0, {})).unseal_record(record, run_id)
+    assert json.loads(kept["s:charge:result"])["token"] == TOKEN
     # And a result that carried the token, replayed too late, is parked on saga.rejected
     keys = Signer(load_ring(folder / "ring.yaml", 0, {}))
     late = keys.sign(
@@ -172,3 +181,35 @@ def test_saga_start_wait_shows_the_output_with_its_sensitive_values_marked(
     shown = json.loads(done.stdout)
     assert shown["state"] == "completed" and MARKER.fullmatch(shown["output"]["token"])
     assert card not in done.stdout + done.stderr and card[::-1] not in done.stdout + done.stderr
+
+
+def test_sealed_at_rest_no_sensitive_value_is_anywhere_in_redis(paying: tuple[Stack, Path, str]) -> None:
+    """With SAGA_ENCRYPT_SENSITIVE, the whole keyspace of the stack holds neither value, after runs that
+    carried them completed (and one failed attempt that quoted the card)."""
+    stack, folder, _ = paying
+    if stack.env["SAGA_ENCRYPT_SENSITIVE"] != "true":
+        pytest.skip("values are kept as given on this stack")
+    settings = stack.settings.model_copy(update={"key_ring_file": str(folder / "ring.yaml")})
+    with SyncClient(settings) as client:
+        run_id = client.start("probe-payment", {"card": CARD, "amount": 3})
+        result = client.wait(run_id, timeout_s=60)
+    assert result.state == "completed" and result.output["token"] == TOKEN  # the client holds the data key
+    dump = keyspace(stack)
+    assert CARD not in dump and TOKEN not in dump and "$saga-sealed:v1:data:" in dump
+
+
+def keyspace(stack: Stack) -> str:
+    """Every key of the stack with everything it holds, as one text."""
+    found = []
+    for key in sorted(stack.redis.scan_iter(match=f"{stack.prefix}:*", count=1000)):
+        kind = stack.redis.type(key)
+        read = {
+            "string": stack.redis.get,
+            "hash": stack.redis.hgetall,
+            "list": lambda k: stack.redis.lrange(k, 0, -1),
+            "set": lambda k: sorted(stack.redis.smembers(k)),
+            "zset": lambda k: stack.redis.zrange(k, 0, -1, withscores=True),
+            "stream": stack.redis.xrange,
+        }[kind]
+        found.append(f"{key} {read(key)}")
+    return "\n".join(found)
