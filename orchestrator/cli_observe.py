@@ -264,7 +264,7 @@ async def _history(settings: Settings, run_id: str) -> list[dict[str, Any]]:
     client = redis_client(settings)
     try:
         return await observe.run_history(
-            client, settings.key_prefix, run_id, _scope(settings), data_key(settings)
+            client, settings.key_prefix, run_id, _scope(settings), data_key(settings), sealer_for(settings)
         )
     finally:
         await client.aclose()
