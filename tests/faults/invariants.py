@@ -512,3 +512,10 @@ def assert_no_violations(violations: list[str], what: str, *, limit: int = 40) -
     shown = "\n  - ".join(violations[:limit])
     more = f"\n  ... and {len(violations) - limit} more" if len(violations) > limit else ""
     raise AssertionError(f"{len(violations)} violations of {what}:\n  - {shown}{more}")
+
+
+def assert_sound(r: redis.Redis, prefix: str, run_ids: list[str], timeout_s: float = 30.0) -> None:
+    """Once the runs have settled (terminal, every outbox drained: a run's last events are published just
+    after its end is announced), the shared checks hold over them."""
+    assert_no_violations(wait_for_convergence(r, prefix, run_ids, timeout_s), "liveness")
+    assert_no_violations(check_runs(r, prefix, run_ids), "the shared invariants")

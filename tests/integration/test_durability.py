@@ -16,14 +16,18 @@ import pytest
 import redis
 
 from orchestrator.durability import DurabilityRefused, Role, Verdict, check_startup, gather
+from orchestrator.keys.ring import Scope
 from orchestrator.settings import DEVELOPMENT_SIGNING_KEY, Settings
 from tests.integration.own_redis import free_port
+from tests.integration.rings import active, write_ring
 from tests.integration.stack import ROOT, poll
 
 pytestmark = pytest.mark.services
 
 OWN_KEY = "k1:" + "a-production-secret-of-our-own-0123"
+OWN_USER, OWN_PASSWORD = "saga-checks", "a-password-of-our-own"
 NO_BROKER = "amqp://guest:guest@127.0.0.1:1/"  # a refusal must come before any broker is needed
+OWN_BROKER = "amqp://saga-orchestrator:pw@127.0.0.1:1/"  # not guest: production refuses guest
 
 
 def _answers(url: str) -> bool:
@@ -49,7 +53,10 @@ def redis_server(directory: Path, *persistence: str) -> Iterator[str]:
     url = f"redis://127.0.0.1:{port}/0"
     try:
         poll(lambda: process.poll() is None and _answers(url), 10, what=f"redis-server on port {port}")
-        yield url
+        # production mode refuses Redis's default user: the checks run as a user of their own
+        with redis.Redis.from_url(url) as admin:
+            admin.execute_command("ACL", "SETUSER", OWN_USER, "on", f">{OWN_PASSWORD}", "~*", "&*", "+@all")
+        yield f"redis://{OWN_USER}:{OWN_PASSWORD}@127.0.0.1:{port}/0"
     finally:
         process.terminate()
         try:
@@ -83,8 +90,21 @@ def volatile(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         yield url
 
 
-def production(redis_url: str, keys: tuple[str, ...] = (OWN_KEY,)) -> Settings:
-    return Settings(mode="production", redis_url=redis_url, signing_keys=keys)
+@pytest.fixture(scope="module")
+def ring_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A key ring of scoped keys (production refuses unscoped ones)."""
+    path = tmp_path_factory.mktemp("ring") / "ring.yaml"
+    return write_ring(path, [active("orch", Scope.ORCHESTRATOR), active("dispatch", Scope.DISPATCH)])
+
+
+def production(redis_url: str, keys: tuple[str, ...] | None = None, ring: Path | None = None) -> Settings:
+    """Production settings on ``redis_url``: a user of its own on the broker, and the key ring ``ring``
+    (else the unscoped ``keys``, which production refuses)."""
+    if keys is not None or ring is None:
+        return Settings(
+            mode="production", redis_url=redis_url, amqp_url=OWN_BROKER, signing_keys=keys or (OWN_KEY,)
+        )
+    return Settings(mode="production", redis_url=redis_url, amqp_url=OWN_BROKER, key_ring_file=str(ring))
 
 
 def test_the_facts_come_from_the_server(durable: str, volatile: str) -> None:
@@ -93,21 +113,23 @@ def test_the_facts_come_from_the_server(durable: str, volatile: str) -> None:
     assert gather(production(volatile), Role.ORCHESTRATOR).aof_enabled is False
 
 
-def test_production_orchestrator_starts_on_redis_with_aof_and_fsync_always(durable: str) -> None:
-    assert check_startup(production(durable), Role.ORCHESTRATOR) == Verdict((), ())
+def test_production_orchestrator_starts_on_redis_with_aof_and_fsync_always(
+    durable: str, ring_file: Path
+) -> None:
+    assert check_startup(production(durable, ring=ring_file), Role.ORCHESTRATOR) == Verdict((), ())
 
 
 def test_production_orchestrator_refuses_redis_without_persistence(volatile: str) -> None:
     with pytest.raises(DurabilityRefused, match="aof_enabled:0") as refused:
         check_startup(production(volatile), Role.ORCHESTRATOR)
-    assert volatile.removeprefix("redis://") in str(refused.value)
+    assert volatile.rpartition("@")[2] in str(refused.value) and OWN_PASSWORD not in str(refused.value)
 
 
 def test_production_orchestrator_warns_on_fsync_everysec(
-    everysec: str, caplog: pytest.LogCaptureFixture
+    everysec: str, ring_file: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     with caplog.at_level(logging.WARNING, logger="orchestrator.durability"):
-        verdict = check_startup(production(everysec), Role.ORCHESTRATOR)
+        verdict = check_startup(production(everysec, ring=ring_file), Role.ORCHESTRATOR)
     assert verdict.refusals == ()
     assert [r.getMessage() for r in caplog.records] == list(verdict.warnings)
     assert "appendfsync everysec" in caplog.text
@@ -118,8 +140,8 @@ def test_production_orchestrator_refuses_redis_it_cannot_reach() -> None:
         check_startup(production(f"redis://127.0.0.1:{free_port()}/0"), Role.ORCHESTRATOR)
 
 
-def test_production_worker_needs_no_durable_redis_but_its_own_keys(volatile: str) -> None:
-    assert check_startup(production(volatile), Role.WORKER) == Verdict((), ())
+def test_production_worker_needs_no_durable_redis_but_its_own_keys(volatile: str, ring_file: Path) -> None:
+    assert check_startup(production(volatile, ring=ring_file), Role.WORKER) == Verdict((), ())
     with pytest.raises(DurabilityRefused, match="'dev' is the development default"):
         check_startup(production(volatile, (DEVELOPMENT_SIGNING_KEY,)), Role.WORKER)
 

@@ -24,7 +24,7 @@ from orchestrator.keys.ringfile import KeyEntry, load_ring
 from orchestrator.settings import Settings
 from orchestrator.wire import bodies
 from orchestrator.wire.kinds import Kind
-from tests.faults.invariants import assert_no_violations, check_runs
+from tests.faults.invariants import assert_sound
 from tests.integration.refusals import NAMES, parked, parked_one, publish_report, run_keys
 from tests.integration.rings import write_ring
 from tests.integration.stack import Stack, now_ms, poll
@@ -132,7 +132,7 @@ def test_forgeries_of_every_kind_are_refused_before_any_write_and_runs_complete(
         # And nothing of the run changed: no refusal record either
         assert run_keys(stack, done) == before
         assert client.wait(running, timeout_s=60).state == "completed"
-        assert_no_violations(check_runs(stack.redis, stack.prefix, [done, running]), "the shared invariants")
+        assert_sound(stack.redis, stack.prefix, [done, running])
 
 
 def completed_run(stack: Stack, client: SyncClient, model: str) -> tuple[str, dict[str, str], dict[str, Any]]:
@@ -293,7 +293,7 @@ def test_keys_rotate_under_load_without_a_restart_and_the_old_ones_are_refused_a
         stack.publish_raw(NAMES.start_exchange("fast"), late.run_id, encode(late))
         letter = poll(lambda: parked_one(stack, late.message_id), 30, what="the old key's start parked")
         assert letter["reason"] == "retired-key"
-    assert_no_violations(check_runs(stack.redis, stack.prefix, [*started, after]), "the shared invariants")
+    assert_sound(stack.redis, stack.prefix, [*started, after])
 
 
 def keys_command(stack: Stack, *args: str) -> None:

@@ -19,7 +19,7 @@ import redis
 from orchestrator.access import AccessRole, acl_file
 from orchestrator.client import SyncClient
 from orchestrator.keys.ring import Scope
-from tests.faults.invariants import assert_no_violations, check_runs
+from tests.faults.invariants import assert_sound
 from tests.integration.own_redis import RedisServer
 from tests.integration.refusals import NAMES
 from tests.integration.rings import active, write_ring
@@ -76,7 +76,7 @@ def test_each_role_runs_as_its_own_user_in_production_mode(provisioned: tuple[St
         assert client.wait(run_id, timeout_s=60).state == "completed"
     for name in ("orchestrator", "worker"):
         assert "refuses to start" not in stack.log(name), stack.log(name)
-    assert_no_violations(check_runs(stack.redis, stack.prefix, [run_id]), "the shared invariants")
+    assert_sound(stack.redis, stack.prefix, [run_id])
 
 
 def _redis_as(secrets: Path, role: str) -> redis.Redis:

@@ -23,7 +23,7 @@ from orchestrator.keys.ringfile import RingFile, load_ring, write_ring_file
 from orchestrator.settings import Settings, redis_client
 from orchestrator.wire import bodies
 from orchestrator.wire.kinds import Kind
-from tests.faults.invariants import assert_no_violations, check_runs
+from tests.faults.invariants import assert_sound
 from tests.integration.refusals import NAMES, parked, parked_one
 from tests.integration.rings import active, write_ring
 from tests.integration.served import serve
@@ -161,9 +161,7 @@ def test_tenants_cannot_see_or_touch_each_others_runs(tenanted: tuple[Stack, Pat
     stack.publish_raw(NAMES.runs_exchange, record["shard"], encode(lie))
     letter = poll(lambda: parked_one(stack, lie.message_id), 30, what="the lying cancel parked")
     assert letter["reason"] == "out-of-scope"
-    assert_no_violations(
-        check_runs(stack.redis, stack.prefix, [mine, theirs, run_id]), "the shared invariants"
-    )
+    assert_sound(stack.redis, stack.prefix, [mine, theirs, run_id])
 
 
 def test_a_tenant_over_its_runs_in_flight_is_refused_at_once_and_admitted_again_once_some_end(
@@ -195,7 +193,7 @@ def test_a_tenant_over_its_runs_in_flight_is_refused_at_once_and_admitted_again_
         # Then, its runs ended, globex starts again
         again = globex.start("model-ingest", {"modelId": "globex-again"})
         assert globex.wait(again, timeout_s=60).state == "completed"
-    assert_no_violations(check_runs(stack.redis, stack.prefix, [*running, again]), "the shared invariants")
+    assert_sound(stack.redis, stack.prefix, [*running, again])
 
 
 def test_a_tenant_over_its_starts_a_second_is_refused_and_others_are_not_slowed(
@@ -233,7 +231,7 @@ def test_a_tenants_map_whose_refills_and_release_are_messages_completes(
     history = [e["kind"] for e in stack.history(batch)]
     assert stack.record(batch)["tenant"] == "acme" and "stage.completed" in history
     assert not [m for m in parked(stack) if m["reason"] == "wrong-tenant" and m["run_id"] == batch]
-    assert_no_violations(check_runs(stack.redis, stack.prefix, [batch]), "the shared invariants")
+    assert_sound(stack.redis, stack.prefix, [batch])
 
 
 def test_a_tenants_admin_manages_its_own_tenants_tokens_only(tenanted: tuple[Stack, Path, str]) -> None:
