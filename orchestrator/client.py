@@ -268,8 +268,10 @@ def start_envelope(
     digest: str,
     context: Mapping[str, Any],
     tenant: str = DEFAULT_TENANT,
+    requested_by: str = "",
 ) -> Envelope:
-    """A start, signed (by a client key: for its own tenant, whatever ``tenant`` says)."""
+    """A start, signed (by a client key: for its own tenant, whatever ``tenant`` says); ``requested_by``:
+    who it is started for (a server's token), named in the run's history."""
     return signer.sign(
         Envelope(
             kind=Kind.START,
@@ -278,7 +280,7 @@ def start_envelope(
             digest=digest,
             tenant=tenant,
             issued_at_ms=int(time.time() * 1000),
-            body=bodies.start(definition, digest, context),
+            body=bodies.start(definition, digest, context, requested_by),
         )
     )
 
@@ -427,6 +429,7 @@ def checked_start(
     run_id: str,
     context: Any,
     tenant: str = DEFAULT_TENANT,
+    requested_by: str = "",
 ) -> Envelope:
     """The signed start, once it passed the checks the shard would make: a context that fits the
     definition, and a message (and tasks) that fit ``SAGA_MAX_MESSAGE_BYTES``. Raises StartRefused."""
@@ -442,7 +445,7 @@ def checked_start(
     problems = start_problems(plan.plan, plan.digest, context, limits, identity) if plan.plan else []
     if problems:
         raise StartRefused(definition, problems)
-    envelope = start_envelope(signer, run_id, definition, plan.digest, context, tenant)
+    envelope = start_envelope(signer, run_id, definition, plan.digest, context, tenant, requested_by)
     size = len(encode(envelope))
     if size > limits.max_message_bytes:
         raise StartRefused(
@@ -587,6 +590,7 @@ class Client:
         idempotency_key: str | None = None,
         version: str | None = None,
         tenant: str | None = None,
+        requested_by: str = "",
     ) -> str:
         """Start a run of ``definition``: of ``version`` (any approved, not retired one) or, without it,
         of the active version (or the canary, for the canary's share of run ids); returns its run id at
@@ -599,7 +603,9 @@ class Client:
         owner = self.signer.bound_tenant() or tenant or DEFAULT_TENANT  # a client key's tenant always wins
         run_id = run_id_for(definition, idempotency_key, owner)
         plan = await self._plan_of(definition, run_id, version)
-        envelope = checked_start(self.signer, self.settings, plan, definition, run_id, context, owner)
+        envelope = checked_start(
+            self.signer, self.settings, plan, definition, run_id, context, owner, requested_by
+        )
         claim = await self._claim(envelope, idempotency_key)
         try:
             await self._publish(envelope, self.settings.names().start_exchange(plan.shard_class), run_id)

@@ -134,7 +134,8 @@ def _start(
     )
     if event.versions:  # ... and the versions recorded beside its plan (not in the digest)
         step.write(RUN, plan_versions=dumps(dict(event.versions)))
-    step.record("run.started", definition=plan.name, digest=digest)
+    by: dict[str, Any] = {"requested_by": event.requested_by} if event.requested_by else {}
+    step.record("run.started", definition=plan.name, digest=digest, **by)
     if plan.run_deadline_ms:
         step.set_timer(Clock.RUN, "", ids.run_fence(1), plan.run_deadline_ms)
     problems = door.start_problems(plan, digest, event.context, limits, fresh)

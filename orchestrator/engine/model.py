@@ -95,6 +95,7 @@ class StartRun:
     tenant: str = "default"
     # the tool versions stored beside the plan the run pins (dsl, compiler, engine): kept in the run record
     versions: Mapping[str, str] = field(default_factory=dict)
+    requested_by: str = ""  # the token a server started it for: named in the run's history
 
 
 @dataclass(frozen=True)

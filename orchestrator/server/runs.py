@@ -46,7 +46,12 @@ def _client(request: Request) -> Client:
 async def start(request: Request, body: Start, who: Starter) -> dict[str, Any]:
     """Start a run; 202 with its id once the broker has the start (the run is created by its shard)."""
     run_id = await _client(request).start(
-        body.definition, body.context, body.idempotency_key, body.version, tenant=who.tenant
+        body.definition,
+        body.context,
+        body.idempotency_key,
+        body.version,
+        tenant=who.tenant,
+        requested_by=who.name,
     )
     return {"run_id": run_id, "state": "pending"}
 

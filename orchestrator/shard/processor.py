@@ -368,7 +368,17 @@ class Processor:
                 outcomes[i] = Outcome(forward_to=owner)
                 continue
             versions = await self.store.plan_versions(digest)
-            event = StartRun(envelope.message_id, envelope.run_id, shard, context, envelope.tenant, versions)
+            body = start_body(envelope)
+            by = body.requested_by if not isinstance(body, str) else ""
+            event = StartRun(
+                envelope.message_id,
+                envelope.run_id,
+                shard,
+                context,
+                envelope.tenant,
+                versions,
+                requested_by=by,
+            )
             claimed.append(
                 _Work(i, envelope.run_id, event, plan, digest, fresh=not fresh, tenant=envelope.tenant)
             )

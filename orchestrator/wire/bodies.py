@@ -36,10 +36,12 @@ class StartBody(BaseModel):
     definition: StrictStr
     digest: StrictStr = ""
     context: dict[str, Any] = {}
+    requested_by: StrictStr = ""  # who asked, where a server acts for its tokens: named in the history
 
 
-def start(definition: str, digest: str, context: Mapping[str, Any]) -> dict[str, Any]:
-    return {"definition": definition, "digest": digest, "context": dict(context)}
+def start(definition: str, digest: str, context: Mapping[str, Any], requested_by: str = "") -> dict[str, Any]:
+    body = {"definition": definition, "digest": digest, "context": dict(context)}
+    return {**body, "requested_by": requested_by[:200]} if requested_by else body
 
 
 # ---- task: shard -> worker ------------------------------------------------------------------------------

@@ -135,6 +135,8 @@ def test_tenants_cannot_see_or_touch_each_others_runs(tenanted: tuple[Stack, Pat
     run_id = started.json()["run_id"]
     poll(lambda: stack.record(run_id).get("tenant"), 30, what="the API's run created")
     assert stack.record(run_id)["tenant"] == "acme"
+    [started_event] = [e for e in stack.history(run_id) if e["kind"] == "run.started"]
+    assert started_event["detail"]["requested_by"] == "acme-operator"  # the token the server acted for
     # Nor a message forged with acme's key: a cancel of globex's run is refused before any write
     keys = Signer(load_ring(folder / "acme.yaml", 0, {}))
     record = stack.record(theirs)
