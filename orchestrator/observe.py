@@ -22,7 +22,7 @@ from orchestrator.bus.connect import connect_once
 from orchestrator.bus.names import SERIAL_TASKS
 from orchestrator.client import RunNotFound, is_final, refused_document, status_document, visible
 from orchestrator.engine.model import StageStatus
-from orchestrator.keys.reload import data_key, opened, sealer_for
+from orchestrator.keys.reload import opened, sealer_for
 from orchestrator.redaction import Redactor, run_secrets, sensitive_values
 from orchestrator.sealing import Sealer
 from orchestrator.settings import Settings, redis_client
@@ -147,7 +147,8 @@ async def status_view(
     stage's result, progress and (with ``probe``) why a dispatched stage waits. ``tenant``: only a run
     of that tenant (else RunNotFound)."""
     try:
-        record = opened(await read_record(client, settings.key_prefix, run_id, tenant), sealer_for(settings))
+        sealer = sealer_for(settings)  # the key ring, read once: it opens sealed values and keys the marks
+        record = opened(await read_record(client, settings.key_prefix, run_id, tenant), sealer)
     except RunNotFound:
         return {**await run_document(client, settings.key_prefix, run_id, tenant), "order": []}
     document = status_document(record)
@@ -159,7 +160,8 @@ async def status_view(
     view = views.enrich(document, record, plan, inputs=inputs)
     if probe is not None:
         await _add_waits(client, settings, view, plan, probe)
-    scrubbed: dict[str, Any] = redactor_of(record, plan, data_key(settings), view).scrub(view)
+    key = sealer.ring().data_secret() if sealer is not None else None
+    scrubbed: dict[str, Any] = redactor_of(record, plan, key, view).scrub(view)
     return scrubbed
 
 

@@ -368,8 +368,7 @@ class Processor:
                 outcomes[i] = Outcome(forward_to=owner)
                 continue
             versions = await self.store.plan_versions(digest)
-            body = start_body(envelope)
-            by = body.requested_by if not isinstance(body, str) else ""
+            by = str(envelope.body.get("requested_by") or "")  # a string: _digest_of decoded this body
             event = StartRun(
                 envelope.message_id,
                 envelope.run_id,
